@@ -1,0 +1,426 @@
+"""Configuration (YAML) loaded into typed objects.
+
+Errors name the file, the key path and what is wrong; unknown keys are rejected so a
+typo never passes silently. Sizes accept integers or unit suffixes (``2GiB``,
+``500MB``); durations accept seconds (``1.5``) or suffixed text (``500ms``, ``2s``, ``1m``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from kvledger.model import ADMISSIONS, LIMIT_KINDS, OVERFLOWS, SHARINGS, TERM_SOURCES
+
+ENGINE_KINDS: tuple[str, ...] = ("ledger", "vllm", "sglang", "trtllm", "triton-trtllm", "tgi", "llamacpp")
+DEFAULT_LISTEN = "0.0.0.0:9477"
+DEFAULT_INTERVAL = 1.0
+DEFAULT_TIMEOUT = 2.0
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the file and the key path."""
+
+
+@dataclass(frozen=True)
+class SizeWithSource:
+    value: int
+    source: str = "configured"  # measured | configured | estimate
+
+
+@dataclass(frozen=True)
+class LimitConfig:
+    value: float
+    kind: str = "hard"  # hard | estimate
+
+
+@dataclass(frozen=True)
+class ModelDerivation:
+    """Derive bytes per block from a model's config.json."""
+
+    config: str
+    kv_dtype: str = "auto"
+    tensor_parallel: int = 1
+
+
+@dataclass(frozen=True)
+class ProcessMatch:
+    match: str | None = None  # substring of the process command line
+    pids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    port: int | None = None
+    output_buffer_limit_bytes: LimitConfig | None = None
+    network_queue_limit: LimitConfig | None = None
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    name: str
+    quota_bytes: int
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Budget terms declared in configuration, by category (bytes per GPU of the engine)."""
+
+    terms: Mapping[str, SizeWithSource] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    name: str
+    kind: str
+    url: str
+    timeout_seconds: float = DEFAULT_TIMEOUT
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    log_file: str | None = None
+    admission: str | None = None
+    overflow: str | None = None
+    block_bytes: int | None = None
+    model: ModelDerivation | None = None
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    gpus: tuple[int, ...] = ()
+    processes: ProcessMatch | None = None
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    host: HostConfig = field(default_factory=HostConfig)
+    tenants: tuple[TenantConfig, ...] = ()
+
+
+@dataclass(frozen=True)
+class NvmlConfig:
+    enabled: str = "auto"  # auto | true | false
+
+
+@dataclass(frozen=True)
+class Config:
+    listen: str = DEFAULT_LISTEN
+    interval_seconds: float = DEFAULT_INTERVAL
+    sharing: str = "per-request"
+    nvml: NvmlConfig = field(default_factory=NvmlConfig)
+    engines: tuple[EngineConfig, ...] = ()
+    json_view: bool = False
+    otlp_endpoint: str | None = None
+    path: str = "<config>"
+
+
+# ---------------------------------------------------------------- value parsers
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 0.001, "m": 60.0, "h": 3600.0}
+
+
+def parse_size(value: object) -> int:
+    """Bytes from an integer or a string with a unit (``2GiB``, ``500MB``, ``64k``)."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size in bytes, got a boolean")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a size cannot be negative ({value})")
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m and m.group(2).lower() in _SIZE_UNITS:
+            number = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+            if number.is_integer():
+                return int(number)
+            raise ValueError(f"size {value!r} is not a whole number of bytes")
+    raise ValueError(f"expected a size such as 2147483648, '2GiB' or '500MB', got {value!r}")
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from a number or a string (``500ms``, ``2s``, ``1m``)."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration in seconds, got a boolean")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str) and (m := re.match(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|)\s*$", value)):
+        seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+    else:
+        raise ValueError(f"expected a duration in seconds such as 1.5 or '500ms', got {value!r}")
+    if seconds <= 0:
+        raise ValueError(f"a duration must be positive, got {value!r}")
+    return seconds
+
+
+# ---------------------------------------------------------------- structure helpers
+
+T = TypeVar("T")
+
+
+class _Reader:
+    """Walks a mapping, recording which keys were read, and names the key path in errors."""
+
+    def __init__(self, file: str, path: str, data: object) -> None:
+        self.file = file
+        self.path = path
+        if not isinstance(data, Mapping):
+            raise self.error(f"expected a mapping, got {type(data).__name__}")
+        self.data: Mapping[str, Any] = data
+        self.seen: set[str] = set()
+
+    def error(self, message: str, key: str | None = None) -> ConfigError:
+        where = self.path if key is None else (f"{self.path}.{key}" if self.path else key)
+        return ConfigError(f"{self.file}: {where or '<top>'}: {message}")
+
+    def has(self, key: str) -> bool:
+        return key in self.data and self.data[key] is not None
+
+    def get(self, key: str, conv: Callable[[Any], T], default: T) -> T:
+        self.seen.add(key)
+        if key not in self.data or self.data[key] is None:
+            return default
+        try:
+            return conv(self.data[key])
+        except ConfigError:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise self.error(str(exc), key) from None
+
+    def require(self, key: str, conv: Callable[[Any], T]) -> T:
+        if key not in self.data or self.data[key] is None:
+            raise self.error("is required", key)
+        return self.get(key, conv, None)  # type: ignore[arg-type]
+
+    def child(self, key: str) -> _Reader | None:
+        self.seen.add(key)
+        if key not in self.data or self.data[key] is None:
+            return None
+        return _Reader(self.file, f"{self.path}.{key}" if self.path else key, self.data[key])
+
+    def finish(self) -> None:
+        unknown = sorted(str(k) for k in self.data if k not in self.seen)
+        if unknown:
+            raise self.error(f"unknown key(s): {', '.join(unknown)}")
+
+
+def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
+    def conv(value: Any) -> str:
+        if isinstance(value, bool):  # YAML turns true/false into booleans
+            value = "true" if value else "false"
+        if not isinstance(value, str) or value not in options:
+            raise ValueError(f"must be one of {', '.join(options)}; got {value!r}")
+        return value
+
+    return conv
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"expected a non-empty string, got {value!r}")
+    return value
+
+
+def _pos_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"expected a positive integer, got {value!r}")
+    return value
+
+
+def _nonneg_number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"expected a non-negative number, got {value!r}")
+    return float(value)
+
+
+def _listen(value: Any) -> str:
+    value = _str(value)
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    return value
+
+
+def _url(value: Any) -> str:
+    value = _str(value)
+    if not re.match(r"^(https?://|unix://|tcp://|ipc://)", value):
+        raise ValueError(f"expected an http(s)://, unix://, tcp:// or ipc:// address, got {value!r}")
+    return value
+
+
+def _int_list(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise ValueError(f"expected a list of non-negative integers, got {value!r}")
+    return tuple(value)
+
+
+# ---------------------------------------------------------------- sections
+
+def _size_with_source(r: _Reader, key: str) -> SizeWithSource | None:
+    raw = r.data.get(key)
+    if raw is None:
+        r.seen.add(key)
+        return None
+    if isinstance(raw, Mapping):
+        c = r.child(key)
+        assert c is not None
+        out = SizeWithSource(c.require("value", parse_size), c.get("source", _choice(TERM_SOURCES), "configured"))
+        c.finish()
+        return out
+    return SizeWithSource(r.get(key, parse_size, 0), "configured")
+
+
+def _limit(r: _Reader, key: str, conv: Callable[[Any], float]) -> LimitConfig | None:
+    raw = r.data.get(key)
+    if raw is None:
+        r.seen.add(key)
+        return None
+    if isinstance(raw, Mapping):
+        c = r.child(key)
+        assert c is not None
+        out = LimitConfig(float(c.require("value", conv)), c.get("kind", _choice(LIMIT_KINDS), "hard"))
+        c.finish()
+        return out
+    return LimitConfig(float(r.get(key, conv, 0)), "hard")
+
+
+_MEMORY_KEYS = {
+    "weights_bytes": "weights",
+    "workspace_bytes": "workspace",
+    "runtime_buffers_bytes": "runtime_buffers",
+    "reserve_bytes": "reserve",
+    "kv_pool_bytes": "kv_pool",
+}
+
+
+def _engine(r: _Reader, names: set[str]) -> EngineConfig:
+    name = r.require("name", _str)
+    if name in names:
+        raise r.error(f"duplicate engine name {name!r}", "name")
+    names.add(name)
+    kind = r.require("kind", _choice(ENGINE_KINDS))
+    url = r.require("url", _url)
+    model = None
+    if (m := r.child("model")) is not None:
+        model = ModelDerivation(
+            m.require("config", _str), m.get("kv_dtype", _str, "auto"), m.get("tensor_parallel", _pos_int, 1)
+        )
+        m.finish()
+    processes = None
+    if (p := r.child("processes")) is not None:
+        processes = ProcessMatch(p.get("match", _str, None), p.get("pids", _int_list, ()))  # type: ignore[arg-type]
+        p.finish()
+        if processes.match is None and not processes.pids:
+            raise r.error("needs 'match' or 'pids'", "processes")
+    memory = MemoryConfig()
+    if (mem := r.child("memory")) is not None:
+        terms = {}
+        for key, category in _MEMORY_KEYS.items():
+            term = _size_with_source(mem, key)
+            if term is not None:
+                terms[category] = term
+        mem.finish()
+        memory = MemoryConfig(terms)
+    host = HostConfig()
+    if (h := r.child("host")) is not None:
+        port = h.get("port", _pos_int, None)  # type: ignore[arg-type]
+        if port is not None and port > 65535:
+            raise h.error("must be a TCP port (1-65535)", "port")
+        host = HostConfig(
+            port,
+            _limit(h, "output_buffer_limit_bytes", parse_size),
+            _limit(h, "network_queue_limit", _pos_int),
+        )
+        h.finish()
+    tenants: list[TenantConfig] = []
+    r.seen.add("tenants")
+    raw_tenants = r.data.get("tenants") or []
+    if not isinstance(raw_tenants, list):
+        raise r.error("expected a list of {name, quota_bytes}", "tenants")
+    for i, raw in enumerate(raw_tenants):
+        t = _Reader(r.file, f"{r.path}.tenants[{i}]", raw)
+        tenants.append(TenantConfig(t.require("name", _str), t.require("quota_bytes", parse_size)))
+        t.finish()
+    if len({t.name for t in tenants}) != len(tenants):
+        raise r.error("tenant names must be unique", "tenants")
+    out = EngineConfig(
+        name=name,
+        kind=kind,
+        url=url,
+        timeout_seconds=r.get("timeout_seconds", parse_duration, DEFAULT_TIMEOUT),
+        kv_events=r.get("kv_events", _url, None),  # type: ignore[arg-type]
+        kv_events_replay=r.get("kv_events_replay", _url, None),  # type: ignore[arg-type]
+        log_file=r.get("log_file", _str, None),  # type: ignore[arg-type]
+        admission=r.get("admission", _choice(ADMISSIONS), None),  # type: ignore[arg-type]
+        overflow=r.get("overflow", _choice(OVERFLOWS), None),  # type: ignore[arg-type]
+        block_bytes=r.get("block_bytes", parse_size, None),  # type: ignore[arg-type]
+        model=model,
+        max_model_len=r.get("max_model_len", _pos_int, None),  # type: ignore[arg-type]
+        max_num_batched_tokens=r.get("max_num_batched_tokens", _pos_int, None),  # type: ignore[arg-type]
+        max_num_seqs=r.get("max_num_seqs", _pos_int, None),  # type: ignore[arg-type]
+        gpus=r.get("gpus", _int_list, ()),
+        processes=processes,
+        memory=memory,
+        host=host,
+        tenants=tuple(tenants),
+    )
+    r.finish()
+    return out
+
+
+def config_from_mapping(data: object, file: str = "<config>") -> Config:
+    if data is None:
+        data = {}
+    top = _Reader(file, "", data)
+    listen = top.get("listen", _listen, DEFAULT_LISTEN)
+    interval = top.get("interval_seconds", parse_duration, DEFAULT_INTERVAL)
+    sharing = "per-request"
+    if (pol := top.child("policy")) is not None:
+        sharing = pol.get("sharing", _choice(SHARINGS), "per-request")
+        pol.finish()
+    nvml = NvmlConfig()
+    if (n := top.child("nvml")) is not None:
+        nvml = NvmlConfig(n.get("enabled", _choice(("auto", "true", "false")), "auto"))
+        n.finish()
+    json_view = top.get("json_view", _bool, False)
+    otlp = None
+    if (o := top.child("otlp")) is not None:
+        otlp = o.require("endpoint", _url)
+        o.finish()
+    top.seen.add("engines")
+    raw_engines = top.data.get("engines") or []
+    if not isinstance(raw_engines, list):
+        raise top.error("expected a list of engines", "engines")
+    names: set[str] = set()
+    engines = tuple(_engine(_Reader(file, f"engines[{i}]", raw), names) for i, raw in enumerate(raw_engines))
+    top.finish()
+    return Config(listen, interval, sharing, nvml, engines, json_view, otlp, file)
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+def load_config(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    return config_from_mapping(data, str(path))

@@ -1,0 +1,209 @@
+"""The Snapshot: normalized facts gathered from the sources.
+
+Sources fill these dataclasses and never compute policy numbers; the policy module
+(policy.py) turns a Snapshot into Accounts. A field left as ``None`` is *unknown*:
+it produces no series, never a zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Basis = Literal["exact", "upper_bound", "lower_bound"]
+RequestState = Literal["running", "waiting", "preempted"]
+OutputBound = Literal["cap", "estimate"]
+Admission = Literal["reserve-cap", "dynamic"]
+Overflow = Literal["preempt-recompute", "reject", "swap", "unknown"]
+Sharing = Literal["per-request", "reference-aware"]
+TermSource = Literal["measured", "configured", "estimate"]
+LimitKind = Literal["hard", "estimate"]
+
+ADMISSIONS: tuple[str, ...] = ("reserve-cap", "dynamic")
+OVERFLOWS: tuple[str, ...] = ("preempt-recompute", "reject", "swap", "unknown")
+SHARINGS: tuple[str, ...] = ("per-request", "reference-aware")
+REQUEST_STATES: tuple[str, ...] = ("running", "waiting", "preempted")
+OUTPUT_BOUNDS: tuple[str, ...] = ("cap", "estimate")
+BUDGET_CATEGORIES: tuple[str, ...] = ("weights", "workspace", "runtime_buffers", "reserve", "kv_pool")
+TERM_SOURCES: tuple[str, ...] = ("measured", "configured", "estimate")
+LIMIT_KINDS: tuple[str, ...] = ("hard", "estimate")
+COUNTER_NAMES: tuple[str, ...] = (
+    "preemptions",
+    "reservation_overflows",
+    "admission_rechecks_accepted",
+    "admission_rechecks_rejected",
+    "reservation_leaks",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRef:
+    """One physical block: its id, reference count and whether it holds cached (hashed) data."""
+
+    block_id: int
+    ref_count: int
+    cached: bool
+
+
+@dataclass(slots=True)
+class PoolFacts:
+    """One KV pool of an engine. Capacity fields are required; the rest may be unknown."""
+
+    id: str
+    block_size: int  # tokens per block (B)
+    num_blocks: int  # capacity in blocks (C)
+    block_bytes: int | None = None  # bytes of one block over all layers and TP ranks
+    sliding_window: int | None = None  # tokens, or None
+    # Physical state as the source reports it (exact when given).
+    in_use: int | None = None
+    reclaimable: int | None = None
+    free: int | None = None
+    references: int | None = None
+    shared: int | None = None
+    # Per-block detail; when present the policy derives the physical state from it.
+    block_refs: list[BlockRef] | None = None
+    # Blocks holding cached (hashed) data, referenced or not (e.g. from KV events).
+    cached_blocks: int | None = None
+    # The engine's own claim of used blocks (for the consistency alert).
+    engine_reported_used_blocks: float | None = None
+    # Admitted requests known only as a count (when individual requests are unknown):
+    # the policy bounds reservations with it.
+    running_requests: int | None = None
+    # Number of layer groups sharing this pool (hybrid models); token capacity = C // groups * B.
+    layer_groups: int = 1
+
+
+@dataclass(slots=True)
+class RequestFacts:
+    id: str
+    state: RequestState
+    prompt_tokens: int
+    max_output_tokens: int
+    output_bound: OutputBound = "cap"
+    pool: str = "0"
+    tenant: str | None = None
+    generated_tokens: int = 0
+    computed_tokens: int = 0
+    contexts: int = 1
+    speculative_slots: int = 0
+    blocks_held: int = 0
+    block_ids: list[int] | None = None
+
+
+@dataclass(slots=True)
+class RequestCounts:
+    """Request counts when individual requests are not known (e.g. from /metrics)."""
+
+    running: int | None = None
+    waiting: int | None = None
+    preempted: int | None = None
+
+
+@dataclass(slots=True)
+class Budgets:
+    max_num_batched_tokens: int | None = None
+    iteration_tokens: int | None = None
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryTerm:
+    """One term of a GPU's memory budget declared by an engine (or its config)."""
+
+    gpu: int
+    category: str  # one of BUDGET_CATEGORIES
+    bytes: int
+    source: TermSource
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    value: float
+    kind: LimitKind
+
+
+@dataclass(slots=True)
+class HostFacts:
+    output_buffer_bytes: int | None = None
+    output_buffer_limit: Limit | None = None
+    network_queue_depth: int | None = None
+    network_queue_limit: Limit | None = None
+    socket_send_queue_bytes: int | None = None
+    socket_receive_queue_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TenantQuota:
+    name: str
+    quota_bytes: int
+
+
+@dataclass(slots=True)
+class EngineFacts:
+    """Everything known about one engine instance (one `engine` label)."""
+
+    name: str
+    kind: str
+    source: str  # the primary source kind ("ledger", "vllm", ...)
+    version: str | None = None
+    admission: Admission | None = None
+    overflow: Overflow | None = None
+    budgets: Budgets = field(default_factory=Budgets)
+    pools: list[PoolFacts] = field(default_factory=list)
+    # Individual requests when the source knows them (exact accounting); None = unknown.
+    requests: list[RequestFacts] | None = None
+    # Counts when only aggregate numbers are known (used when `requests` is None).
+    request_counts: RequestCounts | None = None
+    # Cumulative counters reported by the engine, keyed by COUNTER_NAMES; absent = unknown.
+    counters: dict[str, float] = field(default_factory=dict)
+    memory: list[MemoryTerm] = field(default_factory=list)
+    host: HostFacts = field(default_factory=HostFacts)
+    tenants: list[TenantQuota] = field(default_factory=list)
+    gpus: list[int] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)  # engine processes, for NVML attribution
+    # Exporter-side cumulative counts, maintained by sources (not by the engine).
+    kv_events: dict[str, int] = field(default_factory=dict)  # by event type
+    kv_events_lost: int | None = None
+    invariant_violations: dict[str, int] = field(default_factory=dict)  # by check name
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProcess:
+    pid: int
+    used_bytes: int | None  # None: NVML could not tell
+
+
+@dataclass(slots=True)
+class GpuFacts:
+    index: int
+    up: bool
+    uuid: str | None = None
+    name: str | None = None
+    mig: bool = False
+    total_bytes: int | None = None
+    used_bytes: int | None = None
+    free_bytes: int | None = None
+    driver_reserved_bytes: int | None = None
+    processes: list[GpuProcess] | None = None  # None: unknown (e.g. NotSupported)
+
+
+@dataclass(slots=True)
+class SourceHealth:
+    engine: str  # engine name, or "" for node-wide sources (nvml)
+    source: str  # source kind
+    up: bool
+    reason: str | None = None  # why it is down, human-readable
+    last_success: float | None = None  # unix seconds
+    duration_seconds: float | None = None
+    errors: dict[str, int] = field(default_factory=dict)  # cumulative, by reason class
+
+
+@dataclass(slots=True)
+class Snapshot:
+    engines: list[EngineFacts] = field(default_factory=list)
+    gpus: list[GpuFacts] = field(default_factory=list)
+    driver_version: str | None = None
+    health: list[SourceHealth] = field(default_factory=list)
+    sharing: Sharing = "per-request"
+    taken_at: float = 0.0
