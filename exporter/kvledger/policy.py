@@ -1,0 +1,665 @@
+"""The single accounting policy: every formula of DESIGN §2, once, as pure functions.
+
+``compute_accounts(snapshot)`` turns the facts of a Snapshot into Accounts. Each
+quantity is exact, a hard bound (``Measure`` carries ``lower``/``upper``), or absent.
+Nothing here does I/O; nothing outside this module does accounting arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from kvledger.model import (
+    BUDGET_CATEGORIES,
+    COUNTER_NAMES,
+    BlockRef,
+    EngineFacts,
+    GpuFacts,
+    HostFacts,
+    MemoryTerm,
+    PoolFacts,
+    RequestFacts,
+    Snapshot,
+    SourceHealth,
+)
+
+ADMITTED_STATES = frozenset(("running", "preempted"))
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------- measures
+
+
+@dataclass(frozen=True, slots=True)
+class Measure:
+    """An exact value, or the hard bounds known about it (either may be None)."""
+
+    exact: float | None = None
+    lower: float | None = None
+    upper: float | None = None
+
+    @staticmethod
+    def of(value: float | None) -> Measure | None:
+        return None if value is None else Measure(exact=value)
+
+    @staticmethod
+    def bounds(lower: float | None, upper: float | None) -> Measure | None:
+        if lower is None and upper is None:
+            return None
+        if lower is not None and upper is not None and lower == upper:
+            return Measure(exact=lower)
+        return Measure(lower=lower, upper=upper)
+
+    def series(self) -> Iterator[tuple[str, float]]:
+        """(basis, value) pairs, as exported."""
+        if self.exact is not None:
+            yield "exact", self.exact
+            return
+        if self.lower is not None:
+            yield "lower_bound", self.lower
+        if self.upper is not None:
+            yield "upper_bound", self.upper
+
+    def scale(self, factor: float) -> Measure:
+        return Measure(*(None if v is None else v * factor for v in (self.exact, self.lower, self.upper)))
+
+    def shift(self, offset: float) -> Measure:
+        return Measure(*(None if v is None else v + offset for v in (self.exact, self.lower, self.upper)))
+
+    def negate(self) -> Measure:
+        """-x: bounds swap sides."""
+        if self.exact is not None:
+            return Measure(exact=-self.exact)
+        return Measure(
+            lower=None if self.upper is None else -self.upper,
+            upper=None if self.lower is None else -self.lower,
+        )
+
+    @property
+    def lo(self) -> float | None:
+        return self.exact if self.exact is not None else self.lower
+
+    @property
+    def hi(self) -> float | None:
+        return self.exact if self.exact is not None else self.upper
+
+
+def _scale(m: Measure | None, factor: int | None) -> Measure | None:
+    if m is None or factor is None:
+        return None
+    return m.scale(factor)
+
+
+# ---------------------------------------------------------------- per request
+
+
+def reservation_blocks(
+    prompt_tokens: int,
+    max_output_tokens: int,
+    block_size: int,
+    *,
+    max_model_len: int | None,
+    contexts: int = 1,
+    speculative_slots: int = 0,
+    sliding_window: int | None = None,
+) -> int:
+    """R(r): the upper reservation of one request in blocks, sharing ignored.
+
+    T = ceil(min(P + O + k, L) / B); R = T + (n - 1) * (T - floor(P / B));
+    with a sliding window W: R = min(R, n * (ceil(W / B) + 1)).
+    """
+    tokens = prompt_tokens + max_output_tokens + speculative_slots
+    if max_model_len is not None:
+        tokens = min(tokens, max_model_len)
+    t = ceil_div(tokens, block_size)
+    n = max(1, contexts)
+    shared_full = min(prompt_tokens // block_size, t)
+    r = t + (n - 1) * (t - shared_full)
+    if sliding_window is not None:
+        r = min(r, n * (ceil_div(sliding_window, block_size) + 1))
+    return r
+
+
+def held_blocks(req: RequestFacts) -> int:
+    """held(r): blocks the request references now."""
+    return len(req.block_ids) if req.block_ids is not None else req.blocks_held
+
+
+def request_reservation(req: RequestFacts, pool: PoolFacts, max_model_len: int | None) -> int:
+    return reservation_blocks(
+        req.prompt_tokens,
+        req.max_output_tokens,
+        pool.block_size,
+        max_model_len=max_model_len,
+        contexts=req.contexts,
+        speculative_slots=req.speculative_slots,
+        sliding_window=pool.sliding_window,
+    )
+
+
+def pending_growth(reservation: int, held: int) -> int:
+    return max(0, reservation - held)
+
+
+def is_admitted(req: RequestFacts) -> bool:
+    return req.state in ADMITTED_STATES
+
+
+# ---------------------------------------------------------------- physical state
+
+
+@dataclass(frozen=True, slots=True)
+class Physical:
+    """Physical state of one pool in blocks (unique blocks)."""
+
+    in_use: Measure | None
+    reclaimable: Measure | None
+    allocated: Measure | None
+    free: Measure | None
+    references: int | None
+    shared: int | None
+    # set when derived from block_refs
+    derived: bool = False
+
+
+def physical_from_block_refs(refs: Iterable[BlockRef], capacity: int) -> Physical:
+    in_use = reclaimable = references = shared = 0
+    for ref in refs:
+        if ref.ref_count > 0:
+            in_use += 1
+            references += ref.ref_count
+            if ref.ref_count > 1:
+                shared += 1
+        elif ref.cached:
+            reclaimable += 1
+    allocated = in_use + reclaimable
+    return Physical(
+        Measure(exact=in_use),
+        Measure(exact=reclaimable),
+        Measure(exact=allocated),
+        Measure(exact=capacity - allocated),
+        references,
+        shared,
+        derived=True,
+    )
+
+
+def physical_state(pool: PoolFacts) -> Physical:
+    """in_use, reclaimable, allocated = in_use + reclaimable, free = C - allocated.
+
+    Exact from block_refs or from reported in_use and reclaimable; with only in_use
+    (U) and a cached-block count H (KV events), the unreferenced blocks C - U hold the
+    reclaimable ones: reclaimable lies in [max(0, H - U), min(H, C - U)].
+    """
+    c = pool.num_blocks
+    if pool.block_refs is not None:
+        return physical_from_block_refs(pool.block_refs, c)
+    u = pool.in_use
+    if u is not None and pool.reclaimable is not None:
+        allocated = u + pool.reclaimable
+        return Physical(
+            Measure(exact=u),
+            Measure(exact=pool.reclaimable),
+            Measure(exact=allocated),
+            Measure(exact=c - allocated),
+            pool.references,
+            pool.shared,
+        )
+    if u is not None and pool.free is not None:
+        # reclaimable = C - U - free
+        rec = c - u - pool.free
+        return Physical(
+            Measure(exact=u), Measure(exact=rec), Measure(exact=u + rec), Measure(exact=pool.free),
+            pool.references, pool.shared,
+        )
+    if u is not None and pool.cached_blocks is not None:
+        h = pool.cached_blocks
+        unreferenced = max(0, c - u)
+        rec = Measure.bounds(max(0, h - u), min(h, unreferenced))
+        assert rec is not None
+        return Physical(
+            Measure(exact=u),
+            rec,
+            rec.shift(u),
+            rec.negate().shift(c - u),
+            pool.references,
+            pool.shared,
+        )
+    return Physical(Measure.of(u), None, None, None, pool.references, pool.shared)
+
+
+# ---------------------------------------------------------------- accounts
+
+
+@dataclass(slots=True)
+class PoolAccount:
+    engine: str
+    pool: str
+    block_size: int
+    capacity_blocks: int
+    capacity_bytes: int | None
+    token_capacity: int
+    block_bytes: int | None
+    physical: Physical
+    reserved_blocks: Measure | None = None
+    pending_growth_blocks: dict[str, int] = field(default_factory=dict)  # by output bound
+    resident_tokens: Measure | None = None
+    quota_headroom_blocks: Measure | None = None
+    physical_headroom_blocks: Measure | None = None
+    admission_headroom_requests: Measure | None = None
+    engine_reported_used_blocks: float | None = None
+
+    def bytes_of(self, blocks: Measure | None) -> Measure | None:
+        return _scale(blocks, self.block_bytes)
+
+
+@dataclass(slots=True)
+class TenantAccount:
+    engine: str
+    tenant: str
+    quota_bytes: int | None
+    reserved_blocks: int = 0
+    reserved_bytes: int | None = None
+    requests: dict[str, int] = field(default_factory=dict)  # by state
+
+
+@dataclass(slots=True)
+class EngineAccount:
+    facts: EngineFacts
+    sharing: str
+    pools: list[PoolAccount]
+    requests: dict[str, int | None]  # by state
+    extra_context_slots: dict[str, int]  # speculative, branch
+    tenants: list[TenantAccount]
+    invariant_violations: list[str]  # checks violated in this snapshot
+
+    @property
+    def name(self) -> str:
+        return self.facts.name
+
+    @property
+    def host(self) -> HostFacts:
+        return self.facts.host
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetTerm:
+    gpu: int
+    engine: str
+    category: str
+    source: str
+    bytes: int
+
+
+@dataclass(slots=True)
+class GpuAccount:
+    facts: GpuFacts
+    process_bytes: dict[str, int]  # by engine
+    unaccounted: Measure | None
+
+
+@dataclass(slots=True)
+class Accounts:
+    engines: list[EngineAccount]
+    gpus: list[GpuAccount]
+    budget: list[BudgetTerm]
+    driver_version: str | None
+    health: list[SourceHealth]
+    sharing: str
+    taken_at: float
+    # cumulative observations of violated invariants, kept by the collector
+    invariant_totals: dict[tuple[str, str], int] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- pool arithmetic
+
+
+def _group_requests(engine: EngineFacts) -> dict[str, list[RequestFacts]]:
+    by_pool: dict[str, list[RequestFacts]] = {}
+    for req in engine.requests or ():
+        by_pool.setdefault(req.pool, []).append(req)
+    return by_pool
+
+
+def pool_account(
+    engine: EngineFacts, pool: PoolFacts, requests: list[RequestFacts] | None, sharing: str
+) -> PoolAccount:
+    b = pool.block_size
+    c = pool.num_blocks
+    L = engine.budgets.max_model_len
+    phys = physical_state(pool)
+    acc = PoolAccount(
+        engine=engine.name,
+        pool=pool.id,
+        block_size=b,
+        capacity_blocks=c,
+        capacity_bytes=None if pool.block_bytes is None else c * pool.block_bytes,
+        token_capacity=(c // max(1, pool.layer_groups)) * b,
+        block_bytes=pool.block_bytes,
+        physical=phys,
+        engine_reported_used_blocks=pool.engine_reported_used_blocks,
+    )
+    in_use = phys.in_use.exact if phys.in_use is not None else None
+    running: int | None = None
+
+    if requests is not None:
+        # Exact: the per-request ledger is known.
+        per_request = 0
+        growth_total = 0
+        growth: dict[str, int] = {"cap": 0, "estimate": 0}
+        computed = 0
+        running = 0
+        for req in requests:
+            if req.state == "running":
+                running += 1
+                computed += req.computed_tokens
+            if not is_admitted(req):
+                continue
+            r = request_reservation(req, pool, L)
+            held = held_blocks(req)
+            g = pending_growth(r, held)
+            per_request += max(r, held)
+            growth_total += g
+            growth[req.output_bound] = growth.get(req.output_bound, 0) + g
+        acc.pending_growth_blocks = growth
+        if sharing == "reference-aware":
+            if in_use is not None:
+                acc.reserved_blocks = Measure(exact=in_use + growth_total)
+        else:
+            acc.reserved_blocks = Measure(exact=per_request)
+        if sharing == "reference-aware":
+            if phys.references is not None and in_use is not None:
+                acc.resident_tokens = Measure(exact=computed - (phys.references - int(in_use)) * b)
+        else:
+            acc.resident_tokens = Measure(exact=computed)
+    elif pool.running_requests is not None and L is not None:
+        # Only a count of admitted requests: each may reserve at most ceil(L / B)
+        # blocks, and never less than what is in use.
+        running = pool.running_requests
+        bound = running * ceil_div(L, b)
+        if in_use is not None:
+            bound = max(bound, int(in_use))
+        acc.reserved_blocks = Measure(upper=bound)
+    elif pool.running_requests is not None:
+        running = pool.running_requests
+
+    if acc.reserved_blocks is not None:
+        acc.quota_headroom_blocks = acc.reserved_blocks.negate().shift(c)
+    if phys.free is not None and phys.reclaimable is not None:
+        # free + reclaimable = C - in_use: exact whenever in_use is
+        if in_use is not None:
+            acc.physical_headroom_blocks = Measure(exact=c - in_use)
+        else:
+            lo = _add(phys.free.lo, phys.reclaimable.lo)
+            hi = _add(phys.free.hi, phys.reclaimable.hi)
+            acc.physical_headroom_blocks = Measure.bounds(lo, hi)
+    elif in_use is not None and (phys.free is not None or pool.cached_blocks is not None):
+        acc.physical_headroom_blocks = Measure(exact=c - in_use)
+
+    acc.admission_headroom_requests = admission_headroom(
+        acc.reserved_blocks, c, b, L, engine.budgets.max_num_seqs, running
+    )
+    return acc
+
+
+def _add(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a + b
+
+
+def admission_headroom(
+    reserved: Measure | None,
+    capacity: int,
+    block_size: int,
+    max_model_len: int | None,
+    max_num_seqs: int | None,
+    running: int | None,
+) -> Measure | None:
+    """min(floor(max(0, C - reserved) / ceil(L / B)), max(0, max_num_seqs - running)).
+
+    An upper bound on reserved gives a lower bound on the headroom and vice versa.
+    """
+    if reserved is None or max_model_len is None:
+        return None
+    per_request = ceil_div(max_model_len, block_size)
+
+    def fit(res: float | None) -> float | None:
+        if res is None:
+            return None
+        quota = max(0, capacity - int(res)) // per_request
+        if max_num_seqs is not None and running is not None:
+            return min(quota, max(0, max_num_seqs - running))
+        return quota
+
+    if reserved.exact is not None:
+        return Measure.of(fit(reserved.exact))
+    return Measure.bounds(fit(reserved.upper), fit(reserved.lower))
+
+
+# ---------------------------------------------------------------- invariants
+
+
+def invariant_violations(pool: PoolFacts, phys: Physical) -> list[str]:
+    """Names of the checks this pool's facts violate (DESIGN §2 invariants)."""
+    bad: list[str] = []
+    c = pool.num_blocks
+    u = phys.in_use.exact if phys.in_use is not None else None
+    if phys.references is not None and u is not None and phys.references < u:
+        bad.append("references_ge_in_use")
+    if u is not None and phys.shared is not None and u < phys.shared:
+        bad.append("in_use_ge_shared")
+    if phys.allocated is not None and phys.allocated.lo is not None and phys.allocated.lo > c:
+        bad.append("allocated_le_capacity")
+    if phys.reclaimable is not None and phys.reclaimable.lo is not None and phys.reclaimable.lo < 0:
+        bad.append("reclaimable_nonnegative")
+    if (
+        phys.free is not None
+        and phys.free.exact is not None
+        and phys.free.exact < 0
+    ):
+        bad.append("free_nonnegative")
+    if (
+        not phys.derived
+        and pool.in_use is not None
+        and pool.reclaimable is not None
+        and pool.free is not None
+        and pool.in_use + pool.reclaimable + pool.free != c
+    ):
+        bad.append("partition")
+    if phys.derived:
+        # block-level detail present: the summary fields must agree with it
+        checks = (
+            ("in_use", pool.in_use, phys.in_use),
+            ("reclaimable", pool.reclaimable, phys.reclaimable),
+            ("free", pool.free, phys.free),
+        )
+        for name, reported, derived in checks:
+            if reported is not None and derived is not None and derived.exact != reported:
+                bad.append(f"summary_{name}")
+        if pool.references is not None and pool.references != phys.references:
+            bad.append("summary_references")
+        if pool.shared is not None and pool.shared != phys.shared:
+            bad.append("summary_shared")
+    return bad
+
+
+def _request_invariants(pool: PoolFacts, requests: list[RequestFacts]) -> list[str]:
+    if pool.block_refs is None:
+        return []
+    refs = {r.block_id: r.ref_count for r in pool.block_refs}
+    counted: dict[int, int] = {}
+    for req in requests:
+        if req.block_ids is None:
+            continue
+        for bid in req.block_ids:
+            counted[bid] = counted.get(bid, 0) + 1
+    if not counted:
+        return []
+    bad = []
+    if any(refs.get(bid, 0) < n for bid, n in counted.items()):
+        bad.append("block_ids_referenced")
+    return bad
+
+
+# ---------------------------------------------------------------- engines, tenants, GPUs
+
+
+def tenant_accounts(engine: EngineFacts, pools: dict[str, PoolFacts]) -> list[TenantAccount]:
+    """Per tenant: the per-request rule (a quota covers what a tenant's requests may claim)."""
+    quotas = {t.name: t.quota_bytes for t in engine.tenants}
+    if not quotas:
+        return []
+    out = {name: TenantAccount(engine.name, name, q) for name, q in quotas.items()}
+    known_requests = engine.requests is not None
+    byte_sums: dict[str, int | None] = {name: 0 for name in quotas}
+    for req in engine.requests or ():
+        acc = out.get(req.tenant or "")
+        if acc is None:
+            continue  # unnamed tenants are not exported (bounded cardinality)
+        acc.requests[req.state] = acc.requests.get(req.state, 0) + 1
+        if not is_admitted(req):
+            continue
+        pool = pools.get(req.pool)
+        if pool is None:
+            continue
+        blocks = max(request_reservation(req, pool, engine.budgets.max_model_len), held_blocks(req))
+        acc.reserved_blocks += blocks
+        current = byte_sums[acc.tenant]
+        byte_sums[acc.tenant] = None if current is None or pool.block_bytes is None else current + blocks * pool.block_bytes
+    for name, acc in out.items():
+        if known_requests:
+            acc.reserved_bytes = byte_sums[name]
+            for state in ("running", "waiting", "preempted"):
+                acc.requests.setdefault(state, 0)
+        else:
+            acc.reserved_blocks = 0
+    return list(out.values())
+
+
+def engine_account(engine: EngineFacts, sharing: str) -> EngineAccount:
+    by_pool = _group_requests(engine) if engine.requests is not None else {}
+    pool_map = {p.id: p for p in engine.pools}
+    pools: list[PoolAccount] = []
+    violations: list[str] = []
+    for pool in engine.pools:
+        reqs = by_pool.get(pool.id, []) if engine.requests is not None else None
+        acc = pool_account(engine, pool, reqs, sharing)
+        pools.append(acc)
+        violations.extend(invariant_violations(pool, acc.physical))
+        if reqs:
+            violations.extend(_request_invariants(pool, reqs))
+    requests: dict[str, int | None]
+    slots = {"speculative": 0, "branch": 0}
+    if engine.requests is not None:
+        requests = {"running": 0, "waiting": 0, "preempted": 0}
+        for req in engine.requests:
+            requests[req.state] = (requests.get(req.state) or 0) + 1
+            if req.state == "running":
+                slots["speculative"] += req.speculative_slots
+                slots["branch"] += max(0, req.contexts - 1)
+    else:
+        counts = engine.request_counts
+        requests = {
+            "running": counts.running if counts else None,
+            "waiting": counts.waiting if counts else None,
+            "preempted": counts.preempted if counts else None,
+        }
+        slots = {}
+    return EngineAccount(
+        facts=engine,
+        sharing=sharing,
+        pools=pools,
+        requests=requests,
+        extra_context_slots=slots,
+        tenants=tenant_accounts(engine, pool_map),
+        invariant_violations=sorted(set(violations)),
+    )
+
+
+def kv_pool_terms(engine: EngineFacts) -> list[MemoryTerm]:
+    """The KV pool's bytes per GPU, from the pools' capacity, split evenly over the
+    engine's GPUs (tensor parallelism shards every block across its ranks)."""
+    if not engine.gpus:
+        return []
+    total = 0
+    for pool in engine.pools:
+        if pool.block_bytes is None:
+            return []
+        total += pool.num_blocks * pool.block_bytes
+    if not engine.pools:
+        return []
+    share = total // len(engine.gpus)
+    return [MemoryTerm(g, "kv_pool", share, "measured") for g in engine.gpus]
+
+
+def budget_terms(engines: Iterable[EngineFacts]) -> list[BudgetTerm]:
+    out: list[BudgetTerm] = []
+    for engine in engines:
+        declared = {(t.gpu, t.category) for t in engine.memory}
+        terms = list(engine.memory) + [t for t in kv_pool_terms(engine) if (t.gpu, t.category) not in declared]
+        for t in terms:
+            if t.category in BUDGET_CATEGORIES:
+                out.append(BudgetTerm(t.gpu, engine.name, t.category, t.source, t.bytes))
+    return out
+
+
+ALLOCATION_CATEGORIES = ("weights", "workspace", "runtime_buffers", "kv_pool")
+REQUIRED_ALLOCATIONS = ("weights", "kv_pool")
+
+
+def unaccounted_bytes(gpu: GpuFacts, terms: list[BudgetTerm], engines_on_gpu: set[str]) -> Measure | None:
+    """unaccounted = NVML used - (weights + workspace + runtime_buffers + kv_pool) over the
+    engines on this GPU. Absent when NVML used is unknown, no engine is on the GPU, or an
+    engine lacks its weights or KV pool term; an upper bound when an engine leaves out
+    workspace or runtime buffers (declared allocations are then a lower bound)."""
+    if not gpu.up or gpu.used_bytes is None or not engines_on_gpu:
+        return None
+    declared = 0
+    complete = True
+    for engine in engines_on_gpu:
+        mine = {t.category: t.bytes for t in terms if t.engine == engine and t.gpu == gpu.index}
+        if any(c not in mine for c in REQUIRED_ALLOCATIONS):
+            return None
+        if any(c not in mine for c in ALLOCATION_CATEGORIES):
+            complete = False
+        declared += sum(mine.get(c, 0) for c in ALLOCATION_CATEGORIES)
+    value = gpu.used_bytes - declared
+    return Measure(exact=value) if complete else Measure(upper=value)
+
+
+def gpu_accounts(snapshot: Snapshot, terms: list[BudgetTerm]) -> list[GpuAccount]:
+    out = []
+    for gpu in snapshot.gpus:
+        process_bytes: dict[str, int] = {}
+        if gpu.processes is not None:
+            for engine in snapshot.engines:
+                pids = set(engine.pids)
+                if not pids:
+                    continue
+                mine = [p.used_bytes for p in gpu.processes if p.pid in pids]
+                if mine and all(b is not None for b in mine):
+                    process_bytes[engine.name] = sum(b for b in mine if b is not None)
+        on_gpu = {e.name for e in snapshot.engines if gpu.index in e.gpus}
+        out.append(GpuAccount(gpu, process_bytes, unaccounted_bytes(gpu, terms, on_gpu)))
+    return out
+
+
+def compute_accounts(snapshot: Snapshot) -> Accounts:
+    engines = [engine_account(e, snapshot.sharing) for e in snapshot.engines]
+    terms = budget_terms(snapshot.engines)
+    return Accounts(
+        engines=engines,
+        gpus=gpu_accounts(snapshot, terms),
+        budget=terms,
+        driver_version=snapshot.driver_version,
+        health=snapshot.health,
+        sharing=snapshot.sharing,
+        taken_at=snapshot.taken_at,
+    )
+
+
+def engine_counters(engine: EngineFacts) -> dict[str, float]:
+    return {k: v for k, v in engine.counters.items() if k in COUNTER_NAMES}
