@@ -38,7 +38,13 @@ def _collector(config: Config, extra: Sequence[Source] = ()) -> Collector:
     )
 
 
-def _run_until_signal(collector: Collector, listen: str, json_view: bool, on_stop: Callable[[], None] | None = None) -> int:
+def _run_until_signal(
+    collector: Collector,
+    listen: str,
+    json_view: bool,
+    on_stop: Callable[[], None] | None = None,
+    otlp_endpoint: str | None = None,
+) -> int:
     registry = make_registry(collector.latest)
     try:
         server = KvledgerHTTPServer(listen, registry, collector, json_view=json_view)
@@ -56,11 +62,18 @@ def _run_until_signal(collector: Collector, listen: str, json_view: bool, on_sto
 
     signal.signal(signal.SIGTERM, handle)
     signal.signal(signal.SIGINT, handle)
+    otlp = None
+    if otlp_endpoint:
+        from kvledger.otlp_output import OtlpOutput
+
+        otlp = OtlpOutput(otlp_endpoint, collector.latest)
     collector.start()
     server.start()
     log.info("kvledger %s serving on %s/metrics", __version__, server.url)
     stop.wait()
     server.stop()
+    if otlp is not None:
+        otlp.stop()
     collector.stop()
     if on_stop:
         on_stop()
@@ -71,7 +84,7 @@ def _run_until_signal(collector: Collector, listen: str, json_view: bool, on_sto
 def cmd_serve(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     collector = _collector(config)
-    return _run_until_signal(collector, args.listen or config.listen, config.json_view)
+    return _run_until_signal(collector, args.listen or config.listen, config.json_view, otlp_endpoint=config.otlp_endpoint)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
