@@ -124,7 +124,8 @@ class NvmlSource(Source):
             return
         now = self._clock()
         if self._init_error is not None and now < self._next_init_at:
-            raise self._init_error
+            cached = self._init_error  # a fresh exception: no traceback piles up
+            raise SourceError(cached.reason, cached.message)
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as exc:
