@@ -228,7 +228,7 @@ def test_gpu_unaccounted_and_missing_terms() -> None:
         MemoryTerm(0, "runtime_buffers", 5_000_000, "measured"), MemoryTerm(1, "runtime_buffers", 5_000_000, "measured"),
         MemoryTerm(0, "reserve", 1_000_000_000, "configured"),
     ])
-    gpus = [GpuFacts(0, True, total_bytes=10**10, used_bytes=600_000_000), GpuFacts(1, True, total_bytes=10**10, used_bytes=570_000_000),
+    gpus = [GpuFacts(0, True, total_bytes=10**10, used_bytes=600_000_000, driver_reserved_bytes=5), GpuFacts(1, True, total_bytes=10**10, used_bytes=570_000_000, driver_reserved_bytes=5),
             GpuFacts(2, True, total_bytes=10**10, used_bytes=1)]
     acc = compute_accounts(Snapshot(engines=[e1], gpus=gpus))
     by_gpu = {g.facts.index: g.unaccounted for g in acc.gpus}
@@ -242,7 +242,7 @@ def test_gpu_unaccounted_and_missing_terms() -> None:
 
 def test_gpu_unaccounted_absent_without_weights_and_bound_without_workspace() -> None:
     pool = PoolFacts(id="0", block_size=16, num_blocks=100, block_bytes=1_000_000)
-    gpu = [GpuFacts(0, True, total_bytes=10**10, used_bytes=300_000_000)]
+    gpu = [GpuFacts(0, True, total_bytes=10**10, used_bytes=300_000_000, driver_reserved_bytes=0)]
     no_weights = engine(pool, [], gpus=[0])
     assert compute_accounts(Snapshot(engines=[no_weights], gpus=gpu)).gpus[0].unaccounted is None
     partial = engine(pool, [], gpus=[0], memory=[MemoryTerm(0, "weights", 100_000_000, "measured")])
@@ -255,7 +255,7 @@ def test_several_engines_on_one_gpu() -> None:
     terms = [MemoryTerm(0, c, 1_000, "configured") for c in ("weights", "workspace", "runtime_buffers")]
     a = EngineFacts(name="a", kind="ledger", source="ledger", pools=[p], gpus=[0], memory=terms)
     b = EngineFacts(name="b", kind="ledger", source="ledger", pools=[p], gpus=[0], memory=terms)
-    acc = compute_accounts(Snapshot(engines=[a, b], gpus=[GpuFacts(0, True, used_bytes=30_000)]))
+    acc = compute_accounts(Snapshot(engines=[a, b], gpus=[GpuFacts(0, True, used_bytes=30_000, driver_reserved_bytes=0)]))
     # each engine declares 3 x 1000 + kv 10 x 1000 = 13,000
     assert acc.gpus[0].unaccounted == Measure(exact=30_000 - 26_000)
 
@@ -277,3 +277,12 @@ def test_consistent_pool_has_no_violations() -> None:
     pool, reqs = _shared_prefix_case()
     pool.in_use, pool.reclaimable, pool.free, pool.references, pool.shared = 8, 2, 30, 12, 4
     assert engine_account(engine(pool, reqs), "per-request").invariant_violations == []
+
+
+def test_unaccounted_is_an_upper_bound_with_memory_v1() -> None:
+    # v1 "used" includes driver-reserved memory: what is left over is at most this
+    p = PoolFacts(id="0", block_size=16, num_blocks=10, block_bytes=1_000)
+    terms = [MemoryTerm(0, c, 1_000, "configured") for c in ("weights", "workspace", "runtime_buffers")]
+    a = EngineFacts(name="a", kind="ledger", source="ledger", pools=[p], gpus=[0], memory=terms)
+    acc = compute_accounts(Snapshot(engines=[a], gpus=[GpuFacts(0, True, used_bytes=20_000, driver_reserved_bytes=None)]))
+    assert acc.gpus[0].unaccounted == Measure(upper=7_000)

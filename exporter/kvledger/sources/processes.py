@@ -15,11 +15,12 @@ be host PIDs that this namespace cannot see).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 from kvledger.config import ProcessMatch
-from kvledger.sources.base import SourceError
+from kvledger.sources.base import EnginePatch, Source, SourceError
 
 
 def _read_process(entry: Path) -> tuple[str, int] | None:
@@ -70,3 +71,18 @@ def resolve_pids(match: ProcessMatch, proc_root: str | Path = "/proc") -> list[i
         found.add(pid)
         stack.extend(children.get(pid, ()))
     return sorted(found)
+
+
+class ProcessSource(Source):
+    """Resolves an engine's PIDs each poll (processes come and go) for NVML attribution."""
+
+    kind = "processes"
+
+    def __init__(self, engine_name: str, match: ProcessMatch, proc_root: str | Path = "/proc") -> None:
+        self.engine = engine_name
+        self.match = match
+        self.proc_root = proc_root
+
+    def poll(self) -> EnginePatch:
+        pids = resolve_pids(self.match, self.proc_root)
+        return EnginePatch(self.engine, lambda engine: dataclasses.replace(engine, pids=pids))

@@ -60,6 +60,14 @@ def engine_sources(cfg: EngineConfig) -> list[Source]:
             f"{cfg.name}: engine kind {cfg.kind!r} has no adapter in this release "
             f"(supported: {', '.join(SUPPORTED_KINDS)}); use kind: ledger with an in-engine integration"
         )
+    if cfg.host.port is not None:
+        from kvledger.sources.host_sockets import HostSocketSource
+
+        sources.append(HostSocketSource(cfg.name, cfg.host.port))
+    if cfg.processes is not None and cfg.processes.match is not None:
+        from kvledger.sources.processes import ProcessSource
+
+        sources.append(ProcessSource(cfg.name, cfg.processes))
     return sources
 
 
@@ -71,4 +79,10 @@ def build_sources(config: Config) -> tuple[list[Source], dict[int, float], list[
         for s in engine_sources(cfg):
             sources.append(s)
             timeouts[id(s)] = cfg.timeout_seconds
+    if config.nvml.enabled != "false":
+        from kvledger.sources.nvml import NvmlSource
+
+        nvml = NvmlSource(config.nvml.enabled)
+        if nvml.available():  # auto without a library: no GPU figures, and no alarm
+            sources.append(nvml)
     return sources, timeouts, [base_engine_facts(c) for c in config.engines]
