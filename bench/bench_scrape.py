@@ -13,10 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from prometheus_client.exposition import generate_latest  # noqa: E402
-
 from kvledger.policy import compute_accounts  # noqa: E402
-from kvledger.prometheus_output import make_registry  # noqa: E402
+from kvledger.prometheus_output import render_text  # noqa: E402
 from workload import scrape_snapshot  # noqa: E402
 
 BUDGET_MS = 10.0
@@ -24,12 +22,11 @@ BUDGET_MS = 10.0
 
 def median_render_ms(blocks: int, runs: int = 200) -> tuple[float, int]:
     accounts = compute_accounts(scrape_snapshot(blocks=blocks))
-    registry = make_registry(lambda: accounts, process_metrics=False)
     times = []
     size = 0
     for _ in range(runs):
         t = time.perf_counter()
-        size = len(generate_latest(registry))
+        size = len(render_text(accounts))
         times.append((time.perf_counter() - t) * 1000)
     return statistics.median(times), size
 

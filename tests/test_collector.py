@@ -9,7 +9,6 @@ import urllib.request
 
 from kvledger.collector import Collector
 from kvledger.model import EngineFacts, PoolFacts
-from kvledger.prometheus_output import make_registry
 from kvledger.server import KvledgerHTTPServer
 from kvledger.sources.base import Contribution, EngineContribution, Source, SourceError
 
@@ -111,7 +110,7 @@ def test_scrape_is_served_while_a_source_hangs() -> None:
     hang = Hanging("slow")
     c = Collector([hang, Fixed("good")], base_engines=base("slow", "good"), interval=0.2, timeouts={id(hang): 0.3})
     c.start()
-    server = KvledgerHTTPServer("127.0.0.1:0", make_registry(c.latest), c)
+    server = KvledgerHTTPServer("127.0.0.1:0", c)
     server.start()
     try:
         deadline = time.monotonic() + 5

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 
 from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from exposition_lint import lint_exposition
 from kvledger.catalog import CATALOG
@@ -14,7 +15,7 @@ from kvledger.model import (
     RequestFacts, Snapshot, SourceHealth, TenantQuota,
 )
 from kvledger.policy import compute_accounts
-from kvledger.prometheus_output import make_registry
+from kvledger.prometheus_output import make_registry, render_text
 
 
 def rich_snapshot() -> Snapshot:
@@ -47,7 +48,29 @@ def rich_snapshot() -> Snapshot:
 def exposition() -> str:
     accounts = compute_accounts(rich_snapshot())
     accounts.invariant_totals = {("sim", "partition"): 1}
-    return generate_latest(make_registry(lambda: accounts, process_metrics=False)).decode()
+    return render_text(accounts).decode()
+
+
+def test_direct_rendering_equals_prometheus_client() -> None:
+    accounts = compute_accounts(rich_snapshot())
+    accounts.invariant_totals = {("sim", "partition"): 1}
+    ours = render_text(accounts).decode()
+    theirs = generate_latest(make_registry(lambda: accounts, process_metrics=False)).decode()
+
+    def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples}
+
+    assert samples(ours) == samples(theirs)
+    assert len(samples(ours)) > 80
+
+
+def test_label_values_are_escaped() -> None:
+    snap = rich_snapshot()
+    snap.engines[0].name = 'we"ird\\name\nx'
+    text = render_text(compute_accounts(snap)).decode()
+    names = {s.labels.get("engine") for f in text_string_to_metric_families(text) for s in f.samples}
+    assert 'we"ird\\name\nx' in names
 
 
 def test_every_catalogue_family_has_samples() -> None:
@@ -56,17 +79,25 @@ def test_every_catalogue_family_has_samples() -> None:
     assert missing == []
 
 
+def value(text: str, name: str, **labels: str) -> float | None:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels == labels:
+                return s.value
+    return None
+
+
 def test_bounds_carry_their_basis() -> None:
     text = exposition()
-    assert 'kvledger_kv_reserved_blocks{basis="upper_bound",engine="vllm",pool="0"} 32.0' in text
-    assert 'kvledger_kv_reclaimable_bytes{basis="lower_bound",engine="vllm",pool="0"}' in text
-    assert 'kvledger_kv_reclaimable_bytes{basis="upper_bound",engine="vllm",pool="0"}' in text
+    assert value(text, "kvledger_kv_reserved_blocks", basis="upper_bound", engine="vllm", pool="0") == 32.0
+    assert value(text, "kvledger_kv_reclaimable_bytes", basis="lower_bound", engine="vllm", pool="0") == 13 * 16384
+    assert value(text, "kvledger_kv_reclaimable_bytes", basis="upper_bound", engine="vllm", pool="0") == 17 * 16384
     # bounded states are not presented in the exact partition
-    assert 'kvledger_kv_blocks{engine="vllm",pool="0",state="in_use"} 4.0' in text
-    assert 'kvledger_kv_blocks{engine="vllm",pool="0",state="free"}' not in text
+    assert value(text, "kvledger_kv_blocks", engine="vllm", pool="0", state="in_use") == 4.0
+    assert value(text, "kvledger_kv_blocks", engine="vllm", pool="0", state="free") is None
     # a lost GPU reports up=0 and nothing else
-    assert 'kvledger_gpu_up{gpu="1"} 0.0' in text
-    assert 'kvledger_gpu_memory_used_bytes{gpu="1"}' not in text
+    assert value(text, "kvledger_gpu_up", gpu="1") == 0.0
+    assert value(text, "kvledger_gpu_memory_used_bytes", gpu="1") is None
 
 
 def test_promtool_check_metrics_has_no_findings() -> None:

@@ -15,7 +15,6 @@ from kvledger.collector import Collector
 from kvledger.config import Config, ConfigError, load_config
 from kvledger.json_view import accounts_to_json
 from kvledger.policy import Accounts
-from kvledger.prometheus_output import make_registry
 from kvledger.server import KvledgerHTTPServer
 from kvledger.sources.base import Source
 
@@ -45,9 +44,8 @@ def _run_until_signal(
     on_stop: Callable[[], None] | None = None,
     otlp_endpoint: str | None = None,
 ) -> int:
-    registry = make_registry(collector.latest)
     try:
-        server = KvledgerHTTPServer(listen, registry, collector, json_view=json_view)
+        server = KvledgerHTTPServer(listen, collector, json_view=json_view)
     except OSError as exc:
         log.error("cannot listen on %s: %s", listen, exc.strerror or exc)
         collector.stop()

@@ -9,12 +9,11 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-from prometheus_client.exposition import choose_encoder
-from prometheus_client.registry import CollectorRegistry
 
 from kvledger import __version__
 from kvledger.collector import Collector
 from kvledger.json_view import accounts_to_json
+from kvledger.prometheus_output import TEXT_CONTENT_TYPE, process_registry, render_text
 
 log = logging.getLogger("kvledger.server")
 
@@ -56,8 +55,8 @@ class _Handler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path
         srv = self.server
         if path == "/metrics":
-            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-            body = encoder(srv.registry)
+            body = render_text(srv.collector.latest(), srv.process_registry)
+            content_type = TEXT_CONTENT_TYPE
             extra = {}
             if "gzip" in self.headers.get("Accept-Encoding", ""):
                 body = gzip.compress(body, compresslevel=1)
@@ -87,14 +86,14 @@ class KvledgerHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, listen: str, registry: CollectorRegistry, collector: Collector, json_view: bool = False) -> None:
+    def __init__(self, listen: str, collector: Collector, json_view: bool = False, process_metrics: bool = True) -> None:
         host, port = parse_listen(listen)
         if ":" in host:
             import socket
 
             self.address_family = socket.AF_INET6
         super().__init__((host, port), _Handler)
-        self.registry = registry
+        self.process_registry = process_registry() if process_metrics else None
         self.collector = collector
         self.json_view = json_view
         self._thread: threading.Thread | None = None
