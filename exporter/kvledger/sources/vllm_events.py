@@ -165,7 +165,7 @@ class KvEventsSnapshot:
     restarts: int
     decode_errors: int
     reasons: dict[int, str]  # why a rank's count is unknown
-    received: int  # batches received (live and replayed)
+    received: int  # live batches received on the SUB socket (replayed ones not included)
 
 
 class KvEventLedger:
@@ -233,6 +233,8 @@ class KvEventLedger:
             st.blocks.clear()
             st.last, st.trusted, st.reason = -1, True, None
         expected = (st.last + 1) if st.last is not None else 0
+        if st.last is None and seq == 0:
+            st.trusted, st.reason = True, None  # subscribed before the engine's first batch
         if seq > expected:
             self._fill(rank, st, expected, seq, count_lost=seen_before)
             if st.last is not None and st.last >= seq:
@@ -276,7 +278,6 @@ class KvEventLedger:
                 if count_lost:
                     self.lost += s - st.last - 1
                 self._distrust(st, f"replay history of rank {rank} skips seq {st.last + 1}..{s - 1}")
-            self.received += 1
             try:
                 batch = decode_batch(payload)
             except EventDecodeError as exc:
