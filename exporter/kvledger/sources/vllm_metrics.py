@@ -25,7 +25,7 @@ from typing import Any
 
 from kvledger.config import EngineConfig
 from kvledger.model import Budgets, EngineFacts, PoolFacts, RequestCounts, TenantQuota
-from kvledger.model_bytes import ModelConfigError, kv_shape, load_model_config
+from kvledger.model_bytes import ModelConfigError, ModelKvShape, kv_shape, load_model_config
 from kvledger.sources.base import SourceError
 from kvledger.sources.prom_text import Exposition, Sample, finite, parse_exposition, samples
 
@@ -122,7 +122,7 @@ def _version(exp: Exposition) -> str | None:
     return None
 
 
-def _model_shape(cfg: EngineConfig, model_config: Mapping[str, Any] | None):
+def _model_shape(cfg: EngineConfig, model_config: Mapping[str, Any] | None) -> ModelKvShape | None:
     if cfg.model is None:
         return None
     try:
