@@ -231,7 +231,7 @@ class SimEngine:
         else:
             self.ledger.release(rid)
         del self._requests[rid]
-        self._buffer_bytes += generated * 6
+        self._buffer_bytes += generated * 1500
         self._queue_depth += 1
 
     def step(self) -> None:
@@ -276,17 +276,22 @@ class SimEngine:
                 ledger.raise_bound(rid, int(doc["max_output_tokens"] * rng.uniform(1.2, 2.0)) + 1)
 
         # 2. resume preempted requests when the pool has room again
-        for rid in ledger.request_ids("preempted"):
-            pool = self._requests[rid].pool
-            if ledger.pool_stats(pool)["free"] + ledger.pool_stats(pool)["reclaimable"] > 0.25 * self._capacity(pool):
-                ledger.resume(rid)
+        preempted = sorted(ledger.request_ids("preempted"), key=lambda r: self._requests[r].order)
+        for rid in preempted:
+            req = self._requests[rid]
+            stats = ledger.pool_stats(req.pool)
+            need = -(-(req.prompt_tokens + docs[rid]["generated_tokens"]) // self._block_size(req.pool))
+            if stats["free"] + stats["reclaimable"] < need + self._capacity(req.pool) // 10:
+                break  # oldest first: wait for room
+            ledger.resume(rid)
+        preempted_left = bool(ledger.request_ids("preempted"))
 
         # 3. admit waiting requests (FIFO), within max_num_seqs and the remaining budget
         admitted = len(ledger.request_ids("running")) + len(ledger.request_ids("preempted"))
         still_waiting = []
         for rid in self._waiting:
             req = self._requests[rid]
-            if admitted >= p.max_num_seqs or budget <= 0 or not self._admit(req):
+            if preempted_left or admitted >= p.max_num_seqs or budget <= 0 or not self._admit(req):
                 still_waiting.append(rid)
                 continue
             admitted += 1
@@ -305,7 +310,7 @@ class SimEngine:
         # 4. figures
         ledger.set_iteration_tokens(p.max_num_batched_tokens - budget)
         self._buffer_bytes = max(0, int(self._buffer_bytes * 0.7) - rng.randrange(2048))
-        self._buffer_bytes += sum(1 for _ in ledger.request_ids("running")) * p.decode_tokens_per_step * 6
+        self._buffer_bytes += sum(1 for _ in ledger.request_ids("running")) * p.decode_tokens_per_step * 1500
         self._queue_depth = max(0, self._queue_depth - rng.randint(0, 3)) + _poisson(rng, 0.5)
         ledger.set_host(
             output_buffer_bytes=self._buffer_bytes,
