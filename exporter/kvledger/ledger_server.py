@@ -94,7 +94,7 @@ class LedgerServer:
             bound_host, bound_port = self._server.server_address[:2]  # type: ignore[misc]
             self.url = f"http://{bound_host}:{bound_port}/"
         self._server.owner = self  # type: ignore[attr-defined]
-        self._thread = threading.Thread(target=self._server.serve_forever, name=f"ledger-server {self.url}", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), name=f"ledger-server {self.url}", daemon=True)
 
     def start(self) -> LedgerServer:
         self._thread.start()
