@@ -24,13 +24,13 @@ class BlockRefArray(Sequence[BlockRef]):
     def __init__(self, ids: array, ref_counts: array, cached: bytes) -> None:
         if not len(ids) == len(ref_counts) == len(cached):
             raise ValueError("block_refs columns differ in length")
-        self.ids = ids  # array('q')
-        self.ref_counts = ref_counts  # array('q')
+        self.ids = ids  # array('Q')
+        self.ref_counts = ref_counts  # array('Q')
         self.cached = cached  # bytes of 0/1
 
     @classmethod
     def from_refs(cls, refs: Iterable[BlockRef | tuple[int, int, bool]]) -> BlockRefArray:
-        ids, counts, cached = array("q"), array("q"), bytearray()
+        ids, counts, cached = array("Q"), array("Q"), bytearray()
         for ref in refs:
             if isinstance(ref, BlockRef):
                 ids.append(ref.block_id)

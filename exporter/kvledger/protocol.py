@@ -197,18 +197,20 @@ def _block_refs(value: object, path: str) -> BlockRefArray:
             raise TypeError
         if refs and not set(map(type, cached)) <= {bool}:
             raise TypeError
-        if refs and (min(ids) < 0 or min(counts) < 0):
-            raise TypeError
-        return BlockRefArray(array("q", ids), array("q", counts), bytes(cached))
+        # unsigned arrays reject negative numbers (OverflowError) without a separate pass
+        return BlockRefArray(array("Q", ids), array("Q", counts), bytes(cached))
     except (TypeError, OverflowError):
         pass
-    ids_a, counts_a, cached_b = array("q"), array("q"), bytearray()
+    ids_a, counts_a, cached_b = array("Q"), array("Q"), bytearray()
     for i, item in enumerate(refs):
         where = f"{path}[{i}]"
         if not isinstance(item, list) or len(item) != 3:
             raise ProtocolError(where, f"expected [block_id, ref_count, cached], got {_show(item)}")
-        ids_a.append(_int(item[0], f"{where}[0]"))
-        counts_a.append(_int(item[1], f"{where}[1]"))
+        for j, column in ((0, ids_a), (1, counts_a)):
+            try:
+                column.append(_int(item[j], f"{where}[{j}]"))
+            except OverflowError:
+                raise ProtocolError(f"{where}[{j}]", f"out of range: {item[j]}") from None
         if type(item[2]) is not bool:
             raise ProtocolError(f"{where}[2]", f"expected boolean, got {_show(item[2])}")
         cached_b.append(item[2])
