@@ -36,7 +36,7 @@ def demo_profiles() -> list[SimProfile]:
             max_num_batched_tokens=4096,
             arrival_rate=14.0,
             output_log_mean=5.0,
-            system_prompts=(512, 1024, 256),
+            system_prompts=(512, 1024, 256, 2048, 768, 384),
             system_prompt_prob=0.7,
             parallel_prob=0.1,
             estimate_prob=0.15,
