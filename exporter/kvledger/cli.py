@@ -85,14 +85,49 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return _run_until_signal(collector, args.listen or config.listen, config.json_view, otlp_endpoint=config.otlp_endpoint)
 
 
+#: which simulated engine a bare --fault MODE applies to
+FAULT_TARGETS = {
+    "reserve-overcommit": "sim-tgi",  # a reserve-cap engine admitting against free memory, not its quota
+    "per-request-used": "sim-vllm",  # used blocks claimed per request instead of unique blocks
+    "leak": "sim-vllm",
+    "overflow": "sim-vllm",
+}
+
+
+def parse_faults(values: Sequence[str]) -> dict[str, str]:
+    """``MODE`` (applied to its usual engine) or ``ENGINE=MODE``; ``none`` for no fault."""
+    faults: dict[str, str] = {}
+    for value in values:
+        engine, sep, mode = value.rpartition("=")
+        if not sep:
+            if mode == "none":
+                continue
+            if mode not in FAULT_TARGETS:
+                raise ConfigError(f"--fault: unknown mode {mode!r} (one of none, {', '.join(FAULT_TARGETS)})")
+            engine = FAULT_TARGETS[mode]
+        faults[engine] = mode
+    return faults
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    from kvledger.config import NvmlConfig
     from kvledger.sim.demo import start_demo
 
-    demo = start_demo(fault=args.fault, seed=args.seed)
-    config = Config(listen=args.listen, interval_seconds=args.interval, sharing=args.sharing, engines=tuple(demo.engines), json_view=True)
-    collector = _collector(config, extra=demo.sources)
-    print(f"kvledger demo: simulated engines {', '.join(e.name for e in demo.engines)} and GPUs; "
-          f"metrics on http://{args.listen}/metrics (Ctrl-C stops)", flush=True)
+    try:
+        demo = start_demo(faults=parse_faults(args.fault), seed=args.seed)
+    except ValueError as exc:
+        raise ConfigError(f"--fault: {exc}") from None
+    config = Config(
+        listen=args.listen,
+        interval_seconds=args.interval,
+        sharing=args.sharing,
+        nvml=NvmlConfig("false"),  # the demo's GPUs are simulated
+        engines=tuple(demo.engine_configs),
+        json_view=True,
+    )
+    collector = _collector(config, extra=[demo.gpu_source])
+    print(f"kvledger demo: simulated engines {', '.join(e.name for e in demo.engine_configs)} and "
+          f"simulated GPUs; metrics on http://{args.listen}/metrics (Ctrl-C stops)", flush=True)
     return _run_until_signal(collector, args.listen, True, on_stop=demo.stop)
 
 
@@ -177,9 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="simulated engines and GPUs, exported live; no GPU or engine needed")
     d.add_argument("--listen", default=DEMO_LISTEN, help=f"HOST:PORT (default {DEMO_LISTEN})")
-    d.add_argument("--fault", default="none",
-                   help="inject a fault into the simulator: none, reserve-overcommit, per-request-used, leak, overflow")
-    d.add_argument("--seed", type=int, default=7)
+    d.add_argument("--fault", action="append", default=[], metavar="[ENGINE=]MODE",
+                   help="inject a fault into the simulator (repeatable): none, reserve-overcommit (sim-tgi), "
+                        "per-request-used, leak, overflow (sim-vllm); ENGINE=MODE picks the engine")
+    d.add_argument("--seed", type=int, default=0)
     d.add_argument("--interval", type=float, default=1.0, help="poll interval in seconds")
     d.add_argument("--sharing", default="per-request", choices=("per-request", "reference-aware"))
     d.set_defaults(func=cmd_demo)

@@ -7,6 +7,7 @@ it produces no series, never a zero.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -61,7 +62,7 @@ class PoolFacts:
     references: int | None = None
     shared: int | None = None
     # Per-block detail; when present the policy derives the physical state from it.
-    block_refs: list[BlockRef] | None = None
+    block_refs: Sequence[BlockRef] | None = None  # a BlockRefArray for large ledgers
     # Blocks holding cached (hashed) data, referenced or not (e.g. from KV events).
     cached_blocks: int | None = None
     # The engine's own claim of used blocks (for the consistency alert).

@@ -10,6 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from kvledger.blockrefs import BlockRefArray
+
 from kvledger.model import (
     BUDGET_CATEGORIES,
     COUNTER_NAMES,
@@ -166,7 +170,31 @@ class Physical:
     derived: bool = False
 
 
+def _block_ref_columns(refs: BlockRefArray, capacity: int) -> Physical:
+    counts = np.frombuffer(refs.ref_counts, dtype=np.uint64) if len(refs) else np.zeros(0, dtype=np.uint64)
+    cached = np.frombuffer(refs.cached, dtype=np.uint8) if len(refs) else np.zeros(0, dtype=np.uint8)
+    referenced = counts > 0
+    in_use = int(np.count_nonzero(referenced))
+    reclaimable = int(np.count_nonzero(~referenced & (cached != 0)))
+    references = int(counts.sum(dtype=np.uint64))
+    shared = int(np.count_nonzero(counts > 1))
+    allocated = in_use + reclaimable
+    return Physical(
+        Measure(exact=in_use),
+        Measure(exact=reclaimable),
+        Measure(exact=allocated),
+        Measure(exact=capacity - allocated),
+        references,
+        shared,
+        derived=True,
+    )
+
+
 def physical_from_block_refs(refs: Iterable[BlockRef], capacity: int) -> Physical:
+    """in_use: refcount > 0; reclaimable: cached with refcount 0; references: sum of
+    refcounts; shared: refcount > 1 (columnar fast path for large ledgers)."""
+    if isinstance(refs, BlockRefArray):
+        return _block_ref_columns(refs, capacity)
     in_use = reclaimable = references = shared = 0
     for ref in refs:
         if ref.ref_count > 0:
@@ -487,9 +515,13 @@ def invariant_violations(pool: PoolFacts, phys: Physical) -> list[str]:
 
 
 def _request_invariants(pool: PoolFacts, requests: list[RequestFacts]) -> list[str]:
+    """Every block a request lists must carry at least as many references as requests list it."""
     if pool.block_refs is None:
         return []
-    refs = {r.block_id: r.ref_count for r in pool.block_refs}
+    if isinstance(pool.block_refs, BlockRefArray):
+        refs = dict(zip(pool.block_refs.ids, pool.block_refs.ref_counts))
+    else:
+        refs = {r.block_id: r.ref_count for r in pool.block_refs}
     counted: dict[int, int] = {}
     for req in requests:
         if req.block_ids is None:
