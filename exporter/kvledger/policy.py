@@ -627,6 +627,9 @@ def unaccounted_bytes(gpu: GpuFacts, terms: list[BudgetTerm], engines_on_gpu: se
             complete = False
         declared += sum(mine.get(c, 0) for c in ALLOCATION_CATEGORIES)
     value = gpu.used_bytes - declared
+    # Without memory v2, NVML's used includes driver-reserved memory: an upper bound too.
+    if gpu.driver_reserved_bytes is None:
+        complete = False
     return Measure(exact=value) if complete else Measure(upper=value)
 
 
