@@ -140,3 +140,22 @@ def test_invariant_violations_counted_once_per_fresh_poll() -> None:
     acc = c.poll_once()
     assert acc.invariant_totals[("e", "references_ge_in_use")] == 2
     c.stop()
+
+
+def test_subsource_health_is_reported() -> None:
+    class WithEvents(Fixed):
+        state = (False, "rank 0: sequence gap 4..6, no replay endpoint")
+
+        def subsource_health(self) -> list[tuple[str, bool, str | None]]:
+            return [("kv_events", *self.state)]
+
+    src = WithEvents("v")
+    c = Collector([src], base_engines=base("v"))
+    acc = c.poll_once()
+    h = {x.source: x for x in acc.health}
+    assert not h["kv_events"].up and h["kv_events"].errors == {"unavailable": 1}
+    assert dict((x.source, m) for x, m in c.health())["kv_events"] == "rank 0: sequence gap 4..6, no replay endpoint"
+    src.state = (True, None)
+    acc = c.poll_once()
+    assert {x.source: x for x in acc.health}["kv_events"].up
+    c.stop()

@@ -80,6 +80,8 @@ class Collector:
         self._thread: threading.Thread | None = None
         self._invariant_totals: dict[tuple[str, str], int] = {}
         self._counted_generation: dict[str, int] = {}
+        self._subs: dict[tuple[str, str], SourceHealth] = {}
+        self._sub_messages: dict[tuple[str, str], str | None] = {}
         self.cycles = 0
 
     # ------------------------------------------------------------ public
@@ -92,7 +94,9 @@ class Collector:
 
     def health(self) -> list[tuple[SourceHealth, str | None]]:
         """Each source's health with the full message of its latest failure."""
-        return [(dataclasses.replace(r.health), r.message) for r in self._runners]
+        main = [(dataclasses.replace(r.health), r.message) for r in self._runners]
+        subs = [(dataclasses.replace(h), self._sub_messages.get(k)) for k, h in self._subs.items()]
+        return main + subs
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="kvledger-collector", daemon=True)
@@ -181,12 +185,37 @@ class Collector:
         r.message = message
         r.health.errors[reason] = r.health.errors.get(reason, 0) + 1
 
+    def _sub_health(self) -> list[SourceHealth]:
+        """Health of parts a source runs itself (e.g. vLLM's KV-event subscriber and log reader)."""
+        out = []
+        now = time.time()
+        for r in self._runners:
+            report = getattr(r.source, "subsource_health", None)
+            if report is None:
+                continue
+            for name, up, message in report():
+                key = (r.source.engine, name)
+                h = self._subs.get(key)
+                if h is None:
+                    h = self._subs[key] = SourceHealth(r.source.engine, name, up=False)
+                    h.last_success = None
+                if not up and (h.up or h.reason is None):
+                    h.errors["unavailable"] = h.errors.get("unavailable", 0) + 1
+                    log.warning("source %s/%s down: %s", r.source.engine, name, message)
+                h.up = up
+                h.reason = None if up else "unavailable"
+                self._sub_messages[key] = message
+                if up:
+                    h.last_success = now
+                out.append(dataclasses.replace(h, errors=dict(h.errors)))
+        return out
+
     def _account(self) -> Accounts:
         snapshot = Snapshot(
             engines=[dataclasses.replace(e) for e in self.base_engines],
             sharing=self.sharing,  # type: ignore[arg-type]
             taken_at=time.time(),
-            health=[dataclasses.replace(r.health, errors=dict(r.health.errors)) for r in self._runners],
+            health=[dataclasses.replace(r.health, errors=dict(r.health.errors)) for r in self._runners] + self._sub_health(),
         )
         fresh_primaries: set[str] = set()
         contributions = [(r.latest.order, i, r) for i, r in enumerate(self._runners) if r.latest is not None]

@@ -1,0 +1,125 @@
+"""Serve a kvledger/v1 document over HTTP (TCP) or HTTP over a Unix socket.
+
+``serve_http(render)`` and ``serve_unix(render, path)`` start a threaded HTTP server
+answering ``GET /`` (any path) with ``render()`` as JSON. The Unix-socket variant
+speaks the same HTTP/1.1 on a stream socket (``unix:///path`` URLs of the ledger
+source). Used by the simulator, by tests and by custom engines embedding
+``kvledger.ledger.Ledger``.
+
+``server.fault`` injects failures for tests: ``"garbage"`` (a 200 with bytes that are
+not JSON), ``"status"`` (HTTP 500), ``"hang"`` (accept, then never answer until the
+server stops), ``None`` (normal).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socketserver
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+Render = Callable[[], dict[str, Any] | bytes]
+FAULTS = (None, "garbage", "status", "hang")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_version = "kvledger-ledger/1"
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server API
+        owner: LedgerServer = self.server.owner  # type: ignore[attr-defined]
+        fault = owner.fault
+        if fault == "hang":
+            owner._stopping.wait(owner.hang_seconds)
+            self.close_connection = True
+            return
+        if fault == "status":
+            self._send(500, b'{"error": "injected failure"}')
+            return
+        if fault == "garbage":
+            self._send(200, b"\x00this is not json{")
+            return
+        result = owner.render()
+        body = result if isinstance(result, bytes) else json.dumps(result, separators=(",", ":")).encode()
+        self._send(200, body)
+
+    def _send(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def address_string(self) -> str:  # Unix sockets have no peer address
+        return str(self.client_address[0]) if self.client_address else "unix"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
+        return
+
+
+class _TcpServer(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+
+
+class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+    block_on_close = False
+
+    def server_bind(self) -> None:
+        socketserver.UnixStreamServer.server_bind(self)
+        self.server_name = "localhost"
+        self.server_port = 0
+
+
+class LedgerServer:
+    """A running server; ``url`` is what a ledger source's config names."""
+
+    def __init__(self, render: Render, *, host: str = "127.0.0.1", port: int = 0, unix_path: str | None = None) -> None:
+        self.render = render
+        self.fault: str | None = None
+        self.hang_seconds = 60.0
+        self._stopping = threading.Event()
+        self.unix_path = unix_path
+        if unix_path is not None:
+            if os.path.exists(unix_path):
+                os.unlink(unix_path)
+            self._server: socketserver.BaseServer = _UnixServer(unix_path, _Handler)
+            self.url = f"unix://{unix_path}"
+        else:
+            self._server = _TcpServer((host, port), _Handler)
+            bound_host, bound_port = self._server.server_address[:2]  # type: ignore[misc]
+            self.url = f"http://{bound_host}:{bound_port}/"
+        self._server.owner = self  # type: ignore[attr-defined]
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), name=f"ledger-server {self.url}", daemon=True)
+
+    def start(self) -> LedgerServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+        if self.unix_path is not None and os.path.exists(self.unix_path):
+            os.unlink(self.unix_path)
+
+    def __enter__(self) -> LedgerServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve_http(render: Render, host: str = "127.0.0.1", port: int = 0) -> LedgerServer:
+    """Start serving ``render()`` on host:port (0 = an ephemeral port); see ``.url``."""
+    return LedgerServer(render, host=host, port=port).start()
+
+
+def serve_unix(render: Render, path: str) -> LedgerServer:
+    """Start serving ``render()`` as HTTP over the Unix socket ``path``; ``.url`` is ``unix://path``."""
+    return LedgerServer(render, unix_path=path).start()

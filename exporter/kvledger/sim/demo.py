@@ -1,0 +1,167 @@
+"""The demo: simulated engines served as kvledger/v1 ledgers, plus a simulated GPU source.
+
+``start_demo()`` starts three engines (each stepping in its own thread, each served by
+``ledger_server`` on 127.0.0.1 with an ephemeral port, or on Unix sockets) and returns
+a ``Demo`` holding the ``EngineConfig`` list that points at them and the
+``SimGpuSource``; a collector built from those exports live, moving numbers.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+from kvledger.config import EngineConfig, HostConfig, LimitConfig, MemoryConfig, ProcessMatch, TenantConfig
+from kvledger.ledger import PoolSpec
+from kvledger.ledger_server import LedgerServer, serve_http, serve_unix
+from kvledger.sim.engine import GiB, SimEngine, SimProfile
+from kvledger.sim.gpu import SimGpuSource
+
+MiB = 2**20
+
+
+def demo_profiles() -> list[SimProfile]:
+    """A vLLM-like dynamic engine with prefix sharing and tenants, a TGI-like reserve-cap
+    engine, and a sliding-window engine split over two GPUs."""
+    return [
+        SimProfile(
+            name="sim-vllm",
+            engine_kind="vllm",
+            admission="dynamic",
+            overflow="preempt-recompute",
+            pools=(PoolSpec("0", 16, 2 * MiB, 1024),),  # llama-8B fp16: 2 MiB per 16-token block
+            max_model_len=8192,
+            max_num_seqs=64,
+            max_num_batched_tokens=4096,
+            arrival_rate=14.0,
+            output_log_mean=5.0,
+            system_prompts=(512, 1024, 256, 2048, 768, 384),
+            system_prompt_prob=0.7,
+            parallel_prob=0.1,
+            estimate_prob=0.15,
+            raise_bound_prob=0.01,
+            tenants=(("team-a", 1 * GiB), ("team-b", 2 * GiB), ("batch", None)),
+            gpus=(0,),
+        ),
+        SimProfile(
+            name="sim-tgi",
+            engine_kind="tgi",
+            admission="reserve-cap",
+            overflow="reject",
+            pools=(PoolSpec("0", 16, 1 * MiB, 1536),),
+            max_model_len=4096,
+            max_num_seqs=64,
+            max_num_batched_tokens=8192,
+            arrival_rate=9.0,
+            output_log_mean=5.0,
+            speculative_slots=2,
+            parallel_prob=0.05,
+            raise_bound_prob=0.02,
+            gpus=(1,),
+            weights_bytes=14 * GiB,
+        ),
+        SimProfile(
+            name="sim-swa",
+            engine_kind="custom",
+            admission="dynamic",
+            overflow="preempt-recompute",
+            pools=(PoolSpec("0", 16, 512 * 1024, 1024, sliding_window=1024),),
+            max_model_len=16384,
+            max_num_seqs=32,
+            max_num_batched_tokens=4096,
+            arrival_rate=3.0,
+            prompt_log_mean=6.8,
+            prompt_log_sigma=0.7,
+            estimate_prob=0.3,
+            gpus=(0, 1),
+            weights_bytes=24 * GiB,
+        ),
+    ]
+
+
+@dataclass
+class Demo:
+    engine_configs: list[EngineConfig]
+    gpu_source: SimGpuSource
+    engines: list[SimEngine]
+    servers: list[LedgerServer] = field(default_factory=list)
+    socket_dir: str | None = None
+
+    def stop(self) -> None:
+        for engine in self.engines:
+            engine.stop()
+        for server in self.servers:
+            server.stop()
+        if self.socket_dir is not None:
+            try:
+                os.rmdir(self.socket_dir)
+            except OSError:
+                pass
+
+    def __enter__(self) -> Demo:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def engine_config(engine: SimEngine, url: str) -> EngineConfig:
+    """The EngineConfig a user would write for a simulated engine served at ``url``."""
+    p = engine.profile
+    return EngineConfig(
+        name=p.name,
+        kind="ledger",
+        url=url,
+        timeout_seconds=2.0,
+        gpus=p.gpus,
+        processes=ProcessMatch(pids=(engine.pid,)) if engine.pid is not None else None,
+        memory=MemoryConfig(),
+        host=HostConfig(
+            output_buffer_limit_bytes=LimitConfig(p.output_buffer_limit_bytes, "hard"),
+            network_queue_limit=LimitConfig(p.network_queue_limit, "estimate"),
+        ),
+        tenants=tuple(TenantConfig(name, quota) for name, quota in p.tenants if quota is not None),
+    )
+
+
+def start_demo(
+    *,
+    seed: int = 0,
+    faults: dict[str, str] | None = None,
+    unix_sockets: bool = False,
+    step_seconds: float | None = None,
+    profiles: list[SimProfile] | None = None,
+) -> Demo:
+    """Start the simulated engines and their ledger servers; ``Demo.stop()`` ends them.
+
+    ``faults`` maps an engine name to a fault mode (see kvledger.sim.engine.FAULTS).
+    """
+    faults = dict(faults or {})
+    profiles = demo_profiles() if profiles is None else profiles
+    names = {p.name for p in profiles}
+    unknown = set(faults) - names
+    if unknown:
+        raise ValueError(f"faults name unknown engine(s): {', '.join(sorted(unknown))}")
+    socket_dir = tempfile.mkdtemp(prefix="kvledger-demo-") if unix_sockets else None
+    engines: list[SimEngine] = []
+    servers: list[LedgerServer] = []
+    configs: list[EngineConfig] = []
+    try:
+        for i, profile in enumerate(profiles):
+            if step_seconds is not None:
+                from dataclasses import replace
+
+                profile = replace(profile, step_seconds=step_seconds)
+            engine = SimEngine(profile, seed=seed + i, fault=faults.get(profile.name, "none"), pid=4_000_001 + i)
+            if socket_dir is not None:
+                server = serve_unix(engine.document, os.path.join(socket_dir, f"{profile.name}.sock"))
+            else:
+                server = serve_http(engine.document)
+            servers.append(server)
+            engines.append(engine.start())
+            configs.append(engine_config(engine, server.url))
+    except BaseException:
+        Demo(configs, SimGpuSource(engines, seed=seed), engines, servers, socket_dir).stop()
+        raise
+    return Demo(configs, SimGpuSource(engines, seed=seed), engines, servers, socket_dir)

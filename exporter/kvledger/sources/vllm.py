@@ -1,0 +1,143 @@
+"""The ``kind: vllm`` source: /metrics, plus optional KV events (ZMQ) and startup log.
+
+``poll()`` GETs ``cfg.url`` (bounded by ``cfg.timeout_seconds`` as a total deadline),
+maps it with ``vllm_facts_from_metrics`` and merges the secondary sub-sources:
+- KV events: ``pool.cached_blocks`` per DP rank (None while the count cannot be trusted),
+  ``kv_events`` by type and ``kv_events_lost``;
+- startup log: measured memory terms per GPU.
+Trouble in a sub-source never fails the poll; ``subsource_health()`` reports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import socket
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from kvledger.config import EngineConfig
+from kvledger.model import EngineFacts
+from kvledger.model_bytes import ModelConfigError, load_model_config
+from kvledger.sources.base import EngineContribution, Source, SourceError
+from kvledger.sources.vllm_events import KvEventSubscriber
+from kvledger.sources.vllm_log import VllmLogReader, memory_terms
+from kvledger.sources.vllm_metrics import vllm_facts_from_metrics
+
+MAX_BODY_BYTES = 32 << 20
+_CHUNK = 1 << 16
+
+SubsourceHealth = tuple[str, bool, "str | None"]
+
+
+def fetch_text(url: str, timeout: float, max_bytes: int = MAX_BODY_BYTES) -> str:
+    """GET ``url`` within ``timeout`` seconds in total; SourceError(timeout|connect|http_status|parse)."""
+    deadline = time.monotonic() + timeout
+    request = urllib.request.Request(url, headers={"Accept": "text/plain;version=0.0.4"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body = bytearray()
+            while True:
+                if time.monotonic() > deadline:
+                    raise SourceError("timeout", f"GET {url}: body not complete within {timeout:g}s")
+                chunk = response.read1(_CHUNK)
+                if not chunk:
+                    break
+                body += chunk
+                if len(body) > max_bytes:
+                    raise SourceError("parse", f"GET {url}: body larger than {max_bytes} bytes")
+    except urllib.error.HTTPError as exc:
+        raise SourceError("http_status", f"GET {url}: HTTP {exc.code} {exc.reason}") from None
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+        if isinstance(reason, (TimeoutError, socket.timeout)):
+            raise SourceError("timeout", f"GET {url}: no answer within {timeout:g}s") from None
+        if isinstance(reason, ConnectionRefusedError):
+            raise SourceError("connect", f"GET {url}: connection refused") from None
+        raise SourceError("connect", f"GET {url}: {reason}") from None
+    except (TimeoutError, socket.timeout):
+        raise SourceError("timeout", f"GET {url}: no answer within {timeout:g}s") from None
+    except ConnectionError as exc:
+        raise SourceError("connect", f"GET {url}: {exc.strerror or exc}") from None
+    except http.client.IncompleteRead as exc:
+        raise SourceError("parse", f"GET {url}: body truncated after {len(exc.partial)} bytes") from None
+    except (http.client.HTTPException, OSError, ValueError) as exc:  # bad status line, reset, bad URL
+        raise SourceError("connect", f"GET {url}: {type(exc).__name__}: {exc}") from None
+    try:
+        return bytes(body).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SourceError("parse", f"GET {url}: body is not UTF-8 (byte {exc.start})") from None
+
+
+class VllmSource(Source):
+    kind = "vllm"
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.engine = cfg.name
+        self._model_config: dict[str, Any] | None = None
+        self._events: KvEventSubscriber | None = None
+        self._events_error: str | None = None
+        if cfg.kv_events:
+            self._events = KvEventSubscriber(cfg.kv_events, cfg.kv_events_replay)
+            self._events.start()
+        self._log = VllmLogReader(cfg.log_file) if cfg.log_file else None
+        self._log_error: str | None = "not read yet" if cfg.log_file else None
+
+    def poll(self) -> EngineContribution:
+        text = fetch_text(self.cfg.url, self.cfg.timeout_seconds)
+        facts = vllm_facts_from_metrics(text, self.cfg, self._load_model_config())
+        facts = self._merge_events(facts)
+        facts = self._merge_log(facts)
+        return EngineContribution(facts)
+
+    def _load_model_config(self) -> dict[str, Any] | None:
+        if self.cfg.model is None or self.cfg.block_bytes is not None:
+            return None
+        if self._model_config is None:
+            try:
+                self._model_config = load_model_config(self.cfg.model.config)
+            except ModelConfigError as exc:
+                raise SourceError("config", f"engine {self.cfg.name!r}: model.config: {exc}") from None
+        return self._model_config
+
+    def _merge_events(self, facts: EngineFacts) -> EngineFacts:
+        if self._events is None:
+            return facts
+        ranks = [int(p.id) for p in facts.pools if p.id.isdigit()]
+        self._events.ensure_ranks(ranks)
+        snap = self._events.snapshot()
+        pools = [
+            dataclasses.replace(p, cached_blocks=snap.cached_blocks.get(int(p.id)) if p.id.isdigit() else None)
+            for p in facts.pools
+        ]
+        return dataclasses.replace(facts, pools=pools, kv_events=dict(snap.events_by_type), kv_events_lost=snap.lost)
+
+    def _merge_log(self, facts: EngineFacts) -> EngineFacts:
+        if self._log is None:
+            return facts
+        try:
+            log_facts = self._log.read()
+        except OSError as exc:
+            self._log_error = f"{self._log.path}: {exc.strerror or exc}"
+            return facts
+        terms = memory_terms(log_facts, facts.gpus or list(self.cfg.gpus))
+        self._log_error = None if terms else f"{self._log.path}: no memory profile line found yet"
+        return dataclasses.replace(facts, memory=list(facts.memory) + terms)
+
+    def subsource_health(self) -> list[tuple[str, bool, str | None]]:
+        """("kv_events", up, reason) and ("log", up, reason) for the configured sub-sources."""
+        out: list[tuple[str, bool, str | None]] = []
+        if self._events is not None:
+            up, reason = self._events.health()
+            out.append(("kv_events", up, reason))
+        if self._log is not None:
+            out.append(("log", self._log_error is None, self._log_error))
+        return out
+
+    def close(self) -> None:
+        if self._events is not None:
+            self._events.close()
+            self._events = None

@@ -1,0 +1,229 @@
+"""vLLM's /metrics text turned into EngineFacts (pure: no I/O besides an optional model config).
+
+Versions understood (V1 engine): 0.10.2 (with the deprecated ``vllm:gpu_cache_usage_perc``
+and ``vllm:gpu_prefix_cache_*`` duplicates), 0.11 (``gpu_*`` hidden), 0.12 (``gpu_*``
+removed) and current releases (0.32-like: many more series and ``cache_config_info``
+labels, all ignored unless listed below). Unknown series are ignored; a missing required
+series (``vllm:cache_config_info`` or the KV usage gauge) raises ``SourceError("missing")``.
+
+Data parallelism: every ``vllm:*`` series carries ``engine`` = the DP rank; each rank is
+one pool whose id is that rank. ``cache_config_info``'s ``num_gpu_blocks`` is the SUM over
+the DP engines: it is divided by the number of ranks seen (equal-sized ranks assumed).
+
+Several API servers (``--api-server-count > 1``, 0.10.2/0.11): gauges appear once per
+API-server process with a ``pid`` label and only one process receives the engine's
+scheduler stats; the others keep their initial zeros. Per rank, the live process is the
+``pid`` whose gauges (usage + running + waiting) sum highest; ties (e.g. all zero, where
+every choice gives the same numbers) go to the numerically lowest pid. Counters are
+summed over all their series.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvledger.config import EngineConfig
+from kvledger.model import Budgets, EngineFacts, PoolFacts, RequestCounts, TenantQuota
+from kvledger.model_bytes import ModelConfigError, ModelKvShape, kv_shape, load_model_config
+from kvledger.sources.base import SourceError
+from kvledger.sources.prom_text import Exposition, Sample, finite, parse_exposition, samples
+
+USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # newest first
+RUNNING = ("vllm:num_requests_running",)
+WAITING = ("vllm:num_requests_waiting",)
+PREEMPTIONS = ("vllm:num_preemptions_total",)
+CACHE_CONFIG = "vllm:cache_config_info"
+RANK_LABEL = "engine"
+PID_LABEL = "pid"
+
+
+def parse_python_str(value: str | None) -> Any:
+    """A label written with Python's str(): "None" -> None, "True" -> True, "4.0" -> 4.0."""
+    if value is None or value == "None":
+        return None
+    if value in ("True", "False"):
+        return value == "True"
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def _config_int(info: Mapping[str, str], key: str, required: bool) -> int | None:
+    raw = info.get(key)
+    value = parse_python_str(raw)
+    if value is None:
+        if required:
+            raise SourceError("missing", f"{CACHE_CONFIG} has no usable '{key}' label (got {raw!r})")
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or float(value) != int(value):
+        raise SourceError("parse", f"{CACHE_CONFIG} label '{key}' is not a non-negative integer: {raw!r}")
+    return int(value)
+
+
+def _rank_key(rank: str | None) -> tuple[int, str]:
+    r = rank or "0"
+    return (int(r), r) if r.isdigit() else (1 << 30, r)
+
+
+def _pid_key(pid: str | None) -> tuple[int, str]:
+    p = pid or ""
+    return (int(p), p) if p.isdigit() else (1 << 62, p)
+
+
+def _live_pid(exp: Exposition, rank: str) -> str | None:
+    """The API-server pid whose gauges for ``rank`` are live (see module doc)."""
+    totals: dict[str | None, float] = {}
+    for names in (USAGE, RUNNING, WAITING):
+        for s in samples(exp, *names):
+            if s.labels.get(RANK_LABEL, "0") == rank:
+                v = finite(s.value) or 0.0
+                totals[s.labels.get(PID_LABEL)] = totals.get(s.labels.get(PID_LABEL), 0.0) + v
+    if len(totals) <= 1:
+        return next(iter(totals), None)
+    return min(totals, key=lambda p: (-totals[p], _pid_key(p)))
+
+
+def _gauge(exp: Exposition, names: tuple[str, ...], rank: str, pid: str | None) -> float | None:
+    """The value of a gauge for one rank (and the live pid where several exist)."""
+    chosen: list[Sample] = [s for s in samples(exp, *names) if s.labels.get(RANK_LABEL, "0") == rank]
+    if len({s.labels.get(PID_LABEL) for s in chosen}) > 1:
+        chosen = [s for s in chosen if s.labels.get(PID_LABEL) == pid]
+    if not chosen:
+        return None
+    chosen.sort(key=lambda s: _pid_key(s.labels.get(PID_LABEL)))
+    return finite(chosen[0].value)
+
+
+def _cache_info(exp: Exposition, ranks: list[str]) -> dict[str, Mapping[str, str]]:
+    """cache_config_info labels per rank (a rank without its own gets the lowest rank's)."""
+    series = exp.get(CACHE_CONFIG, [])
+    if not series:
+        raise SourceError("missing", f"no {CACHE_CONFIG} series (is this vLLM's /metrics, with log stats on?)")
+    by_rank: dict[str, Mapping[str, str]] = {}
+    for s in sorted(series, key=lambda s: _pid_key(s.labels.get(PID_LABEL))):
+        by_rank.setdefault(s.labels.get(RANK_LABEL, "0"), s.labels)
+    fallback = by_rank[min(by_rank, key=_rank_key)]
+    return {r: by_rank.get(r, fallback) for r in ranks}
+
+
+def _version(exp: Exposition) -> str | None:
+    """vLLM's version where an info series exposes one (vLLM does not by default)."""
+    for name in sorted(exp):
+        if name.startswith("vllm:") and name.endswith("_info"):
+            for s in exp[name]:
+                if s.labels.get("version"):
+                    return s.labels["version"]
+    return None
+
+
+def _model_shape(cfg: EngineConfig, model_config: Mapping[str, Any] | None) -> ModelKvShape | None:
+    if cfg.model is None:
+        return None
+    try:
+        data = model_config if model_config is not None else load_model_config(cfg.model.config)
+        return kv_shape(data, cfg.model.kv_dtype)
+    except ModelConfigError as exc:
+        raise SourceError("config", f"engine {cfg.name!r}: model.config: {exc}") from None
+
+
+def vllm_facts_from_metrics(
+    text: str | Exposition, cfg: EngineConfig, model_config: Mapping[str, Any] | None = None
+) -> EngineFacts:
+    """EngineFacts from vLLM's /metrics (text or an already parsed exposition).
+
+    ``model_config``: the parsed config.json of ``cfg.model`` (loaded from its path when
+    omitted and needed).
+    """
+    exp = parse_exposition(text) if isinstance(text, str) else text
+    usage_series = samples(exp, *USAGE)
+    if not usage_series:
+        raise SourceError("missing", f"no {USAGE[0]} (nor the 0.10.2 name {USAGE[1]}) series")
+    ranks = sorted({s.labels.get(RANK_LABEL, "0") for s in usage_series}, key=_rank_key)
+    infos = _cache_info(exp, ranks)
+    shape = None
+    model_loaded = False
+
+    pools: list[PoolFacts] = []
+    running_total: int | None = None
+    waiting_total: int | None = None
+    for rank in ranks:
+        info = infos[rank]
+        block_size = _config_int(info, "block_size", required=True)
+        total_blocks = _config_int(info, "num_gpu_blocks", required=True)
+        assert block_size is not None and total_blocks is not None
+        if block_size <= 0:
+            raise SourceError("parse", f"{CACHE_CONFIG} block_size must be positive, got {block_size}")
+        per_rank = total_blocks // len(ranks)
+        if per_rank < 2:
+            raise SourceError("parse", f"{CACHE_CONFIG} num_gpu_blocks={total_blocks} leaves no usable block per rank")
+        usable = per_rank - 1  # block 0 is vLLM's permanent null block
+
+        kv_bytes = _config_int(info, "kv_cache_memory_bytes", required=False)
+        tp = cfg.model.tensor_parallel if cfg.model is not None else 1
+        block_bytes: int | None
+        if kv_bytes:
+            block_bytes = kv_bytes // per_rank * tp
+        elif cfg.block_bytes is not None:
+            block_bytes = cfg.block_bytes
+        else:
+            if not model_loaded:
+                shape, model_loaded = _model_shape(cfg, model_config), True
+            block_bytes = shape.block_bytes(block_size, tp) if shape is not None else None
+
+        window = _config_int(info, "sliding_window", required=False)
+        if window is None:
+            if not model_loaded:
+                shape, model_loaded = _model_shape(cfg, model_config), True
+            window = shape.sliding_window if shape is not None else None
+
+        pid = _live_pid(exp, rank)
+        usage = _gauge(exp, USAGE, rank, pid)
+        claim = usage * usable if usage is not None else None
+        running = _gauge(exp, RUNNING, rank, pid)
+        waiting = _gauge(exp, WAITING, rank, pid)
+        if running is not None:
+            running_total = (running_total or 0) + int(running)
+        if waiting is not None:
+            waiting_total = (waiting_total or 0) + int(waiting)
+        pools.append(
+            PoolFacts(
+                id=rank,
+                block_size=block_size,
+                num_blocks=usable,
+                block_bytes=block_bytes,
+                sliding_window=window or None,
+                in_use=round(claim) if claim is not None else None,
+                engine_reported_used_blocks=claim,
+                running_requests=int(running) if running is not None else None,
+            )
+        )
+
+    counters: dict[str, float] = {}
+    preempt = samples(exp, *PREEMPTIONS)
+    if preempt:
+        counters["preemptions"] = sum(finite(s.value) or 0.0 for s in preempt)
+
+    return EngineFacts(
+        name=cfg.name,
+        kind="vllm",
+        source="vllm",
+        version=_version(exp),
+        admission=cfg.admission or "dynamic",  # type: ignore[arg-type]
+        overflow=cfg.overflow or "preempt-recompute",  # type: ignore[arg-type]
+        budgets=Budgets(
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=cfg.max_model_len,
+        ),
+        pools=pools,
+        request_counts=RequestCounts(running=running_total, waiting=waiting_total, preempted=None),
+        counters=counters,
+        gpus=list(cfg.gpus),
+        tenants=[TenantQuota(t.name, t.quota_bytes) for t in cfg.tenants],
+    )

@@ -1,0 +1,218 @@
+import copy
+import json
+
+import pytest
+from jsonschema import Draft202012Validator
+
+from kvledger.blockrefs import BlockRefArray
+from kvledger.model import BlockRef, Limit, MemoryTerm, TenantQuota
+from kvledger.protocol import ProtocolError, facts_from_document, facts_from_json, load_schema, validate_document
+
+EXAMPLE = {
+    "schema": "kvledger/v1",
+    "engine": {"kind": "vllm", "version": "0.10.2"},
+    "admission": "dynamic",
+    "overflow": "preempt-recompute",
+    "budgets": {"max_num_batched_tokens": 8192, "iteration_tokens": 3100, "max_num_seqs": 256, "max_model_len": 8192},
+    "pools": [{
+        "id": "0", "block_size": 16, "block_bytes": 2097152, "num_blocks": 1000,
+        "sliding_window": None,
+        "blocks": {"in_use": 300, "reclaimable": 100, "free": 600},
+        "references": 420, "shared": 50,
+        "block_refs": [[17, 2, True], [18, 0, True]],
+    }],
+    "requests": [{
+        "id": "r1", "tenant": "team-a", "pool": "0", "state": "running",
+        "prompt_tokens": 1000, "max_output_tokens": 256, "output_bound": "cap",
+        "generated_tokens": 10, "computed_tokens": 1010, "contexts": 1, "speculative_slots": 0,
+        "blocks_held": 64, "block_ids": [17, 18],
+    }],
+    "counters": {"preemptions": 3, "reservation_overflows": 0, "admission_rechecks_accepted": 1,
+                 "admission_rechecks_rejected": 0, "reservation_leaks": 0},
+    "memory": [{"gpu": 0, "category": "weights", "bytes": 16000000000, "source": "measured"}],
+    "host": {"output_buffer_bytes": 1048576, "output_buffer_limit_bytes": 67108864,
+             "output_buffer_limit_kind": "hard", "network_queue_depth": 5, "network_queue_limit": 1024,
+             "network_queue_limit_kind": "estimate"},
+}
+
+
+def schema_ok(doc):
+    return not list(Draft202012Validator(load_schema()).iter_errors(doc))
+
+
+def test_schema_is_valid_draft_2020_12_and_accepts_the_design_example():
+    Draft202012Validator.check_schema(load_schema())
+    assert schema_ok(EXAMPLE)
+
+
+def test_design_example_converts_to_facts():
+    f = facts_from_document(EXAMPLE, "llama")
+    assert (f.name, f.kind, f.version, f.source) == ("llama", "vllm", "0.10.2", "ledger")
+    assert (f.admission, f.overflow) == ("dynamic", "preempt-recompute")
+    assert f.budgets.iteration_tokens == 3100 and f.budgets.max_model_len == 8192
+    p = f.pools[0]
+    assert (p.id, p.block_size, p.block_bytes, p.num_blocks, p.sliding_window) == ("0", 16, 2097152, 1000, None)
+    assert (p.in_use, p.reclaimable, p.free, p.references, p.shared) == (300, 100, 600, 420, 50)
+    assert list(p.block_refs) == [BlockRef(17, 2, True), BlockRef(18, 0, True)]
+    r = f.requests[0]
+    assert (r.id, r.tenant, r.state, r.prompt_tokens, r.max_output_tokens, r.blocks_held) == (
+        "r1", "team-a", "running", 1000, 256, 64)
+    assert r.block_ids == [17, 18]
+    assert f.counters["preemptions"] == 3 and set(f.counters) == {
+        "preemptions", "reservation_overflows", "admission_rechecks_accepted",
+        "admission_rechecks_rejected", "reservation_leaks"}
+    assert f.memory == [MemoryTerm(0, "weights", 16000000000, "measured")]
+    assert f.host.output_buffer_limit == Limit(67108864.0, "hard")
+    assert f.host.network_queue_limit == Limit(1024.0, "estimate")
+    assert f.host.network_queue_depth == 5
+
+
+def test_minimal_document_leaves_everything_else_unknown():
+    doc = {"schema": "kvledger/v1", "pools": [{"id": "a", "block_size": 16, "block_bytes": 10, "num_blocks": 5}],
+           "requests": [{"id": "x", "state": "waiting", "prompt_tokens": 3, "max_output_tokens": 4}]}
+    assert schema_ok(doc)
+    f = facts_from_document(doc, "e")
+    assert f.kind == "ledger" and f.admission is None and f.counters == {} and f.memory == []
+    assert f.pools[0].in_use is None and f.pools[0].block_refs is None
+    assert f.requests[0].pool == "a"  # the only pool
+    assert f.host.output_buffer_bytes is None and f.budgets.max_model_len is None
+
+
+def test_extension_fields():
+    doc = copy.deepcopy(EXAMPLE)
+    doc["pools"][0].update(engine_reported_used_blocks=420, cached_blocks=150, layer_groups=2)
+    doc["tenants"] = [{"name": "team-a", "quota_bytes": 1000}]
+    doc["some_future_field"] = {"anything": [1, 2]}
+    doc["pools"][0]["future"] = "ignored"
+    assert schema_ok(doc)
+    f = facts_from_document(doc, "e")
+    assert f.pools[0].engine_reported_used_blocks == 420
+    assert f.pools[0].cached_blocks == 150 and f.pools[0].layer_groups == 2
+    assert f.tenants == [TenantQuota("team-a", 1000)]
+
+
+def mutate(path, value):
+    doc = copy.deepcopy(EXAMPLE)
+    target = doc
+    for key in path[:-1]:
+        target = target[key]
+    if value is DELETE:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return doc
+
+
+DELETE = object()
+
+BAD = [
+    (("pools", 0, "num_blocks"), "abc", 'pools[0].num_blocks: expected integer, got "abc"'),
+    (("pools", 0, "num_blocks"), DELETE, "pools[0].num_blocks: is required"),
+    (("pools", 0, "block_size"), 0, "pools[0].block_size: must be >= 1, got 0"),
+    (("pools", 0, "block_bytes"), 1.5, "pools[0].block_bytes: expected integer, got 1.5"),
+    (("pools", 0, "id"), 7, "pools[0].id: expected string, got 7"),
+    (("pools", 0, "blocks", "free"), -1, "pools[0].blocks.free: must be >= 0, got -1"),
+    (("pools", 0, "block_refs", 1), [18, 0], "pools[0].block_refs[1]: expected [block_id, ref_count, cached], got an array"),
+    (("pools", 0, "block_refs", 1), [18, "0", True], 'pools[0].block_refs[1][1]: expected integer, got "0"'),
+    (("pools", 0, "block_refs", 0), [17, 2, 1], "pools[0].block_refs[0][2]: expected boolean, got 1"),
+    (("pools", 0, "block_refs", 0), [-1, 2, True], "pools[0].block_refs[0][0]: must be >= 0, got -1"),
+    (("pools",), {}, "pools: expected array, got an object"),
+    (("pools",), [], "pools: must list at least one pool"),
+    (("pools",), DELETE, "pools: is required"),
+    (("requests",), DELETE, "requests: is required"),
+    (("schema",), "kvledger/v2", 'schema: expected "kvledger/v1", got "kvledger/v2"'),
+    (("schema",), DELETE, "schema: is required"),
+    (("requests", 0, "state"), "done", 'requests[0].state: expected one of running, waiting, preempted; got "done"'),
+    (("requests", 0, "prompt_tokens"), True, "requests[0].prompt_tokens: expected integer, got true"),
+    (("requests", 0, "id"), DELETE, "requests[0].id: is required"),
+    (("requests", 0, "contexts"), 0, "requests[0].contexts: must be >= 1, got 0"),
+    (("requests", 0, "output_bound"), "guess", 'requests[0].output_bound: expected one of cap, estimate; got "guess"'),
+    (("requests", 0, "block_ids", 1), "18", 'requests[0].block_ids[1]: expected integer, got "18"'),
+    (("requests", 0), "r1", 'requests[0]: expected object, got "r1"'),
+    (("admission",), "eager", 'admission: expected one of reserve-cap, dynamic; got "eager"'),
+    (("overflow",), 3, "overflow: expected one of preempt-recompute, reject, swap, unknown; got 3"),
+    (("budgets", "max_num_seqs"), "256", 'budgets.max_num_seqs: expected integer, got "256"'),
+    (("budgets",), [], "budgets: expected object, got an array"),
+    (("counters", "preemptions"), "3", 'counters.preemptions: expected number, got "3"'),
+    (("memory", 0, "category"), "kv", 'memory[0].category: expected one of weights, workspace, runtime_buffers, reserve, kv_pool; got "kv"'),
+    (("memory", 0, "source"), DELETE, "memory[0].source: is required"),
+    (("host", "network_queue_limit_kind"), "soft", 'host.network_queue_limit_kind: expected one of hard, estimate; got "soft"'),
+    (("host", "output_buffer_bytes"), -5, "host.output_buffer_bytes: must be >= 0, got -5"),
+    (("engine",), "vllm", 'engine: expected object, got "vllm"'),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "message"), BAD, ids=[m.split(":")[0] + "-" + str(i) for i, (_, _, m) in enumerate(BAD)])
+def test_malformed_documents_name_the_field_path(path, value, message):
+    doc = mutate(path, value)
+    with pytest.raises(ProtocolError) as err:
+        facts_from_document(doc, "e")
+    assert str(err.value) == message
+    # the published schema rejects the same document
+    assert not schema_ok(doc)
+    with pytest.raises(ProtocolError):
+        validate_document(doc)
+
+
+GOOD_VARIANTS = [
+    (("pools", 0, "num_blocks"), 1000.0),  # JSON Schema: 1000.0 is an integer
+    (("pools", 0, "sliding_window"), 4096),
+    (("pools", 0, "block_refs"), []),
+    (("pools", 0, "block_refs", 0), [17, 2.0, True]),
+    (("pools", 0, "blocks"), None),
+    (("requests",), []),
+    (("requests", 0, "tenant"), None),
+    (("requests", 0, "block_ids"), None),
+    (("counters", "preemptions"), 2.5),
+    (("host", "output_buffer_limit_kind"), None),
+    (("engine",), None),
+    (("memory",), []),
+]
+
+
+@pytest.mark.parametrize(("path", "value"), GOOD_VARIANTS)
+def test_valid_variants_accepted_by_both(path, value):
+    doc = mutate(path, value)
+    assert schema_ok(doc)
+    facts_from_document(doc, "e")
+
+
+def test_integral_floats_are_converted():
+    f = facts_from_document(mutate(("pools", 0, "block_refs", 0), [17, 2.0, True]), "e")
+    assert list(f.pools[0].block_refs)[0] == BlockRef(17, 2, True)
+    assert type(f.pools[0].block_refs.ref_counts[0]) is int
+
+
+def test_semantic_errors_beyond_the_schema():
+    doc = copy.deepcopy(EXAMPLE)
+    doc["pools"].append(dict(doc["pools"][0], block_refs=None))
+    with pytest.raises(ProtocolError, match=r'^pools\[1\].id: duplicate pool id "0"$'):
+        facts_from_document(doc, "e")
+    doc = mutate(("requests", 0, "pool"), "9")
+    with pytest.raises(ProtocolError, match=r'^requests\[0\].pool: no pool with id "9"$'):
+        facts_from_document(doc, "e")
+    doc = copy.deepcopy(EXAMPLE)
+    doc["requests"].append(doc["requests"][0])
+    with pytest.raises(ProtocolError, match=r'^requests\[1\].id: duplicate request id "r1"$'):
+        facts_from_document(doc, "e")
+
+
+def test_limit_without_kind_is_an_estimate():
+    f = facts_from_document(mutate(("host", "output_buffer_limit_kind"), DELETE), "e")
+    assert f.host.output_buffer_limit == Limit(67108864.0, "estimate")
+
+
+def test_json_text_errors():
+    with pytest.raises(ProtocolError, match=r"^<document>: invalid JSON at line 1, column 2"):
+        facts_from_json(b"{nope", "e")
+    with pytest.raises(ProtocolError, match=r"^<document>: expected object, got an array"):
+        facts_from_json(b"[]", "e")
+    assert facts_from_json(json.dumps(EXAMPLE), "e").pools[0].num_blocks == 1000
+
+
+def test_block_ref_array_behaves_as_a_sequence():
+    a = BlockRefArray.from_refs([(1, 0, False), BlockRef(2, 3, True)])
+    assert len(a) == 2 and a[1] == BlockRef(2, 3, True) and a[-1].block_id == 2
+    assert list(a[:1]) == [BlockRef(1, 0, False)]
+    assert a == [BlockRef(1, 0, False), BlockRef(2, 3, True)]
+    assert len(a) - a.ref_counts.count(0) == 1
