@@ -19,6 +19,7 @@ import yaml
 
 from alerts_support import ROOT, load
 from harness.alertmanager import start_alertmanager
+from harness.process import ProcessError
 from harness.prometheus import start_prometheus
 from harness.targets import DemoTarget, FakeKvledgerExporter, Target
 from harness.webhook import Payload, WebhookReceiver
@@ -37,7 +38,12 @@ def _has_demo_simulator() -> bool:
         return False
 
 
-TARGET_KINDS = ["fake"] + (["demo"] if _has_demo_simulator() else [])
+# `kvledger demo` on main calls start_demo(fault=...) and reads Demo.sources, which
+# kvledger.sim.demo does not offer (it takes faults={engine: mode}); until cli.py is
+# fixed the demo cannot start. strict: once it starts, this marker must go.
+_DEMO_BROKEN = pytest.mark.xfail(strict=True, raises=ProcessError,
+                                 reason="kvledger demo --fault does not start (cli.py vs sim.demo)")
+TARGET_KINDS = ["fake"] + ([pytest.param("demo", marks=_DEMO_BROKEN)] if _has_demo_simulator() else [])
 
 
 def am_config_for_test(hook_url: str) -> dict[str, Any]:

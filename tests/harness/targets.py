@@ -13,6 +13,7 @@ A target has an ``address`` ("host:port") Prometheus scrapes and ``set_fault(nam
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from prometheus_client.registry import Collector
 
 from harness.process import ManagedProcess, free_port
 
+EXPORTER = Path(__file__).resolve().parents[2] / "exporter"  # the package source root
 FAULTS = ("reserve-overcommit", "per-request-used")
 
 
@@ -106,6 +108,7 @@ class DemoTarget:
 
     def __init__(self, workdir: Path, fault: str | None = None) -> None:
         self.workdir = workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self._proc: ManagedProcess | None = None
         self._runs = 0
@@ -120,7 +123,9 @@ class DemoTarget:
         self._runs += 1
         argv = [sys.executable, "-m", "kvledger.cli", "demo", "--listen", self.address,
                 "--fault", fault or "none", "--interval", "0.5"]
-        self._proc = ManagedProcess(argv, self.workdir / f"demo-{self._runs}.log", cwd=self.workdir)
+        path = os.pathsep.join(p for p in (str(EXPORTER), os.environ.get("PYTHONPATH", "")) if p)
+        self._proc = ManagedProcess(argv, self.workdir / f"demo-{self._runs}.log", cwd=self.workdir,
+                                    env={"PYTHONPATH": path})
         self._proc.wait_http_ok(f"http://{self.address}/-/ready", timeout=30)
 
     def stop(self) -> None:
