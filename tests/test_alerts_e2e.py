@@ -9,7 +9,6 @@ long waits; thresholds and expressions are the production ones.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,6 @@ import yaml
 
 from alerts_support import ROOT, load
 from harness.alertmanager import start_alertmanager
-from harness.process import ProcessError
 from harness.prometheus import start_prometheus
 from harness.targets import DemoTarget, FakeKvledgerExporter, Target
 from harness.webhook import Payload, WebhookReceiver
@@ -30,20 +28,7 @@ AM_CONFIG = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
 RUNBOOK = "https://github.com/kvledger/kvledger/blob/main/docs/runbooks.md#"
 TIMEOUT = 30.0
 
-# The real demo becomes a target once its simulator exists on this branch.
-def _has_demo_simulator() -> bool:
-    try:
-        return importlib.util.find_spec("kvledger.sim.demo") is not None
-    except ModuleNotFoundError:  # the kvledger.sim package itself is not there yet
-        return False
-
-
-# `kvledger demo` on main calls start_demo(fault=...) and reads Demo.sources, which
-# kvledger.sim.demo does not offer (it takes faults={engine: mode}); until cli.py is
-# fixed the demo cannot start. strict: once it starts, this marker must go.
-_DEMO_BROKEN = pytest.mark.xfail(strict=True, raises=ProcessError,
-                                 reason="kvledger demo --fault does not start (cli.py vs sim.demo)")
-TARGET_KINDS = ["fake"] + ([pytest.param("demo", marks=_DEMO_BROKEN)] if _has_demo_simulator() else [])
+TARGET_KINDS = ["fake", "demo"]
 
 
 def am_config_for_test(hook_url: str) -> dict[str, Any]:

@@ -13,8 +13,6 @@ A target has an ``address`` ("host:port") Prometheus scrapes and ``set_fault(nam
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +22,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from harness.process import ManagedProcess, free_port
+from harness.kvledger_daemon import Daemon, start_daemon
+from harness.process import free_port
 
 EXPORTER = Path(__file__).resolve().parents[2] / "exporter"  # the package source root
 FAULTS = ("reserve-overcommit", "per-request-used")
@@ -108,10 +107,8 @@ class DemoTarget:
 
     def __init__(self, workdir: Path, fault: str | None = None) -> None:
         self.workdir = workdir
-        self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        self._proc: ManagedProcess | None = None
-        self._runs = 0
+        self._daemon: Daemon | None = None
         self.set_fault(fault)
 
     @property
@@ -120,15 +117,9 @@ class DemoTarget:
 
     def set_fault(self, fault: str | None) -> None:
         self.stop()
-        self._runs += 1
-        argv = [sys.executable, "-m", "kvledger.cli", "demo", "--listen", self.address,
-                "--fault", fault or "none", "--interval", "0.5"]
-        path = os.pathsep.join(p for p in (str(EXPORTER), os.environ.get("PYTHONPATH", "")) if p)
-        self._proc = ManagedProcess(argv, self.workdir / f"demo-{self._runs}.log", cwd=self.workdir,
-                                    env={"PYTHONPATH": path})
-        self._proc.wait_http_ok(f"http://{self.address}/-/ready", timeout=30)
+        self._daemon = start_daemon(self.workdir, ["demo", "--fault", fault or "none", "--interval", "0.5"], port=self.port)
 
     def stop(self) -> None:
-        if self._proc is not None:
-            self._proc.stop()
-            self._proc = None
+        if self._daemon is not None:
+            self._daemon.stop()
+            self._daemon = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from urllib.parse import urlsplit
 from dataclasses import dataclass, field
 
 from kvledger.config import EngineConfig, HostConfig, LimitConfig, MemoryConfig, ProcessMatch, TenantConfig
@@ -118,6 +119,8 @@ def engine_config(engine: SimEngine, url: str) -> EngineConfig:
         processes=ProcessMatch(pids=(engine.pid,)) if engine.pid is not None else None,
         memory=MemoryConfig(),
         host=HostConfig(
+            # the simulated engine's serving port is its ledger server: real kernel socket queues
+            port=urlsplit(url).port if url.startswith("http") else None,
             output_buffer_limit_bytes=LimitConfig(p.output_buffer_limit_bytes, "hard"),
             network_queue_limit=LimitConfig(p.network_queue_limit, "estimate"),
         ),

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import random
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvledger.ledger import Ledger, OutOfBlocks, PoolSpec
