@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +33,7 @@ from kvledger.model import (
 ADMITTED_STATES = frozenset(("running", "preempted"))
 
 
-def ceil_div(a: int, b: int) -> int:
+def ceil_div(a: Any, b: int) -> Any:
     return -(-a // b)
 
 
@@ -102,55 +104,36 @@ def _scale(m: Measure | None, factor: int | None) -> Measure | None:
 
 
 def reservation_blocks(
-    prompt_tokens: int,
-    max_output_tokens: int,
+    prompt_tokens: Any,
+    max_output_tokens: Any,
     block_size: int,
     *,
     max_model_len: int | None,
-    contexts: int = 1,
-    speculative_slots: int = 0,
+    contexts: Any = 1,
+    speculative_slots: Any = 0,
     sliding_window: int | None = None,
-) -> int:
+) -> Any:
     """R(r): the upper reservation of one request in blocks, sharing ignored.
 
     T = ceil(min(P + O + k, L) / B); R = T + (n - 1) * (T - floor(P / B));
     with a sliding window W: R = min(R, n * (ceil(W / B) + 1)).
+    Takes ints (returns an int) or, element-wise, numpy integer arrays (returns an array).
     """
     tokens = prompt_tokens + max_output_tokens + speculative_slots
     if max_model_len is not None:
-        tokens = min(tokens, max_model_len)
+        tokens = np.minimum(tokens, max_model_len)
     t = ceil_div(tokens, block_size)
-    n = max(1, contexts)
-    shared_full = min(prompt_tokens // block_size, t)
+    n = np.maximum(1, contexts)
+    shared_full = np.minimum(prompt_tokens // block_size, t)
     r = t + (n - 1) * (t - shared_full)
     if sliding_window is not None:
-        r = min(r, n * (ceil_div(sliding_window, block_size) + 1))
-    return r
+        r = np.minimum(r, n * (ceil_div(sliding_window, block_size) + 1))
+    return r if isinstance(r, np.ndarray) else int(r)
 
 
 def held_blocks(req: RequestFacts) -> int:
     """held(r): blocks the request references now."""
     return len(req.block_ids) if req.block_ids is not None else req.blocks_held
-
-
-def request_reservation(req: RequestFacts, pool: PoolFacts, max_model_len: int | None) -> int:
-    return reservation_blocks(
-        req.prompt_tokens,
-        req.max_output_tokens,
-        pool.block_size,
-        max_model_len=max_model_len,
-        contexts=req.contexts,
-        speculative_slots=req.speculative_slots,
-        sliding_window=pool.sliding_window,
-    )
-
-
-def pending_growth(reservation: int, held: int) -> int:
-    return max(0, reservation - held)
-
-
-def is_admitted(req: RequestFacts) -> bool:
-    return req.state in ADMITTED_STATES
 
 
 # ---------------------------------------------------------------- physical state
@@ -353,8 +336,59 @@ def _group_requests(engine: EngineFacts) -> dict[str, list[RequestFacts]]:
     return by_pool
 
 
+@dataclass(slots=True)
+class RequestColumns:
+    """The requests of one pool as numpy columns, with R(r) and held(r) computed once."""
+
+    requests: list[RequestFacts]
+    reservation: np.ndarray  # R(r), blocks
+    held: np.ndarray  # held(r), blocks
+    admitted: np.ndarray  # running or preempted
+    running: np.ndarray
+    estimate: np.ndarray  # output bound is an estimate
+    computed: np.ndarray  # computed tokens
+
+    @property
+    def claimed(self) -> np.ndarray:
+        """max(R(r), held(r)): what one request claims, counted alone (per-request rule)."""
+        return np.maximum(self.reservation, self.held)
+
+    @property
+    def growth(self) -> np.ndarray:
+        """max(0, R(r) - held(r)): the pending growth of one request."""
+        return np.maximum(0, self.reservation - self.held)
+
+
+def _column(requests: list[RequestFacts], attr: str) -> np.ndarray:
+    return np.fromiter(map(attrgetter(attr), requests), dtype=np.int64, count=len(requests))
+
+
+def request_columns(requests: list[RequestFacts], pool: PoolFacts, max_model_len: int | None) -> RequestColumns:
+    n = len(requests)
+    states = [r.state for r in requests]
+    return RequestColumns(
+        requests=requests,
+        reservation=reservation_blocks(
+            _column(requests, "prompt_tokens"),
+            _column(requests, "max_output_tokens"),
+            pool.block_size,
+            max_model_len=max_model_len,
+            contexts=_column(requests, "contexts"),
+            speculative_slots=_column(requests, "speculative_slots"),
+            sliding_window=pool.sliding_window,
+        )
+        if n
+        else np.zeros(0, dtype=np.int64),
+        held=np.fromiter(map(held_blocks, requests), dtype=np.int64, count=n),
+        admitted=np.fromiter((s in ADMITTED_STATES for s in states), dtype=bool, count=n),
+        running=np.fromiter((s == "running" for s in states), dtype=bool, count=n),
+        estimate=np.fromiter((r.output_bound == "estimate" for r in requests), dtype=bool, count=n),
+        computed=_column(requests, "computed_tokens"),
+    )
+
+
 def pool_account(
-    engine: EngineFacts, pool: PoolFacts, requests: list[RequestFacts] | None, sharing: str
+    engine: EngineFacts, pool: PoolFacts, cols: RequestColumns | None, sharing: str
 ) -> PoolAccount:
     b = pool.block_size
     c = pool.num_blocks
@@ -374,35 +408,25 @@ def pool_account(
     in_use = phys.in_use.exact if phys.in_use is not None else None
     running: int | None = None
 
-    if requests is not None:
-        # Exact: the per-request ledger is known.
-        per_request = 0
-        growth_total = 0
-        growth: dict[str, int] = {"cap": 0, "estimate": 0}
-        computed = 0
-        running = 0
-        for req in requests:
-            if req.state == "running":
-                running += 1
-                computed += req.computed_tokens
-            if not is_admitted(req):
-                continue
-            r = request_reservation(req, pool, L)
-            held = held_blocks(req)
-            g = pending_growth(r, held)
-            per_request += max(r, held)
-            growth_total += g
-            growth[req.output_bound] = growth.get(req.output_bound, 0) + g
-        acc.pending_growth_blocks = growth
+    if cols is not None:
+        # Exact: the per-request ledger is known. Sums run over admitted requests.
+        adm = cols.admitted
+        growth = cols.growth
+        acc.pending_growth_blocks = {
+            "cap": int(growth[adm & ~cols.estimate].sum()),
+            "estimate": int(growth[adm & cols.estimate].sum()),
+        }
+        running = int(cols.running.sum())
+        computed = int(cols.computed[cols.running].sum())
         if sharing == "reference-aware":
+            # blocks already resident counted once, plus each request's pending growth
             if in_use is not None:
-                acc.reserved_blocks = Measure(exact=in_use + growth_total)
-        else:
-            acc.reserved_blocks = Measure(exact=per_request)
-        if sharing == "reference-aware":
+                acc.reserved_blocks = Measure(exact=int(in_use) + int(growth[adm].sum()))
             if phys.references is not None and in_use is not None:
+                # shared prefix blocks are full blocks: each extra reference repeats B tokens
                 acc.resident_tokens = Measure(exact=computed - (phys.references - int(in_use)) * b)
         else:
+            acc.reserved_blocks = Measure(exact=int(cols.claimed[adm].sum()))
             acc.resident_tokens = Measure(exact=computed)
     elif pool.running_requests is not None and L is not None:
         # Only a count of admitted requests: each may reserve at most ceil(L / B)
@@ -518,71 +542,78 @@ def _request_invariants(pool: PoolFacts, requests: list[RequestFacts]) -> list[s
     """Every block a request lists must carry at least as many references as requests list it."""
     if pool.block_refs is None:
         return []
-    if isinstance(pool.block_refs, BlockRefArray):
-        refs = dict(zip(pool.block_refs.ids, pool.block_refs.ref_counts))
-    else:
-        refs = {r.block_id: r.ref_count for r in pool.block_refs}
     counted: dict[int, int] = {}
     for req in requests:
-        if req.block_ids is None:
-            continue
-        for bid in req.block_ids:
+        for bid in req.block_ids or ():
             counted[bid] = counted.get(bid, 0) + 1
     if not counted:
         return []
-    bad = []
-    if any(refs.get(bid, 0) < n for bid, n in counted.items()):
-        bad.append("block_ids_referenced")
-    return bad
+    refs = pool.block_refs
+    if isinstance(refs, BlockRefArray):
+        ids = np.frombuffer(refs.ids, dtype=np.uint64)
+        counts = np.frombuffer(refs.ref_counts, dtype=np.uint64)
+        if len(ids) and np.array_equal(ids, np.arange(len(ids), dtype=np.uint64)):
+            lookup = lambda bid: int(counts[bid]) if 0 <= bid < len(counts) else 0  # noqa: E731 - dense ids
+        else:
+            table = dict(zip(refs.ids, refs.ref_counts, strict=True))
+            lookup = lambda bid: table.get(bid, 0)  # noqa: E731
+    else:
+        table = {r.block_id: r.ref_count for r in refs}
+        lookup = lambda bid: table.get(bid, 0)  # noqa: E731
+    if any(lookup(bid) < n for bid, n in counted.items()):
+        return ["block_ids_referenced"]
+    return []
 
 
 # ---------------------------------------------------------------- engines, tenants, GPUs
 
 
-def tenant_accounts(engine: EngineFacts, pools: dict[str, PoolFacts]) -> list[TenantAccount]:
+def tenant_accounts(
+    engine: EngineFacts, pools: dict[str, PoolFacts], columns: dict[str, RequestColumns]
+) -> list[TenantAccount]:
     """Per tenant: the per-request rule (a quota covers what a tenant's requests may claim)."""
     quotas = {t.name: t.quota_bytes for t in engine.tenants}
     if not quotas:
         return []
     out = {name: TenantAccount(engine.name, name, q) for name, q in quotas.items()}
-    known_requests = engine.requests is not None
-    byte_sums: dict[str, int | None] = {name: 0 for name in quotas}
-    for req in engine.requests or ():
-        acc = out.get(req.tenant or "")
-        if acc is None:
-            continue  # unnamed tenants are not exported (bounded cardinality)
-        acc.requests[req.state] = acc.requests.get(req.state, 0) + 1
-        if not is_admitted(req):
-            continue
-        pool = pools.get(req.pool)
-        if pool is None:
-            continue
-        blocks = max(request_reservation(req, pool, engine.budgets.max_model_len), held_blocks(req))
-        acc.reserved_blocks += blocks
-        current = byte_sums[acc.tenant]
-        byte_sums[acc.tenant] = None if current is None or pool.block_bytes is None else current + blocks * pool.block_bytes
+    if engine.requests is None:
+        return list(out.values())
+    byte_sums: dict[str, int | None] = dict.fromkeys(quotas, 0)
+    for acc in out.values():
+        acc.requests = {"running": 0, "waiting": 0, "preempted": 0}
+    for pool_id, cols in columns.items():
+        pool = pools[pool_id]
+        claimed = cols.claimed
+        for i, req in enumerate(cols.requests):
+            acc = out.get(req.tenant or "")
+            if acc is None:
+                continue  # unnamed tenants are not exported (bounded cardinality)
+            acc.requests[req.state] += 1
+            if not cols.admitted[i]:
+                continue
+            blocks = int(claimed[i])
+            acc.reserved_blocks += blocks
+            current = byte_sums[acc.tenant]
+            byte_sums[acc.tenant] = None if current is None or pool.block_bytes is None else current + blocks * pool.block_bytes
     for name, acc in out.items():
-        if known_requests:
-            acc.reserved_bytes = byte_sums[name]
-            for state in ("running", "waiting", "preempted"):
-                acc.requests.setdefault(state, 0)
-        else:
-            acc.reserved_blocks = 0
+        acc.reserved_bytes = byte_sums[name]
     return list(out.values())
 
 
 def engine_account(engine: EngineFacts, sharing: str) -> EngineAccount:
     by_pool = _group_requests(engine) if engine.requests is not None else {}
     pool_map = {p.id: p for p in engine.pools}
+    columns: dict[str, RequestColumns] = {}
+    if engine.requests is not None:
+        columns = {p.id: request_columns(by_pool.get(p.id, []), p, engine.budgets.max_model_len) for p in engine.pools}
     pools: list[PoolAccount] = []
     violations: list[str] = []
     for pool in engine.pools:
-        reqs = by_pool.get(pool.id, []) if engine.requests is not None else None
-        acc = pool_account(engine, pool, reqs, sharing)
+        acc = pool_account(engine, pool, columns.get(pool.id), sharing)
         pools.append(acc)
         violations.extend(invariant_violations(pool, acc.physical))
-        if reqs:
-            violations.extend(_request_invariants(pool, reqs))
+        if by_pool.get(pool.id):
+            violations.extend(_request_invariants(pool, by_pool[pool.id]))
     requests: dict[str, int | None]
     slots = {"speculative": 0, "branch": 0}
     if engine.requests is not None:
@@ -606,7 +637,7 @@ def engine_account(engine: EngineFacts, sharing: str) -> EngineAccount:
         pools=pools,
         requests=requests,
         extra_context_slots=slots,
-        tenants=tenant_accounts(engine, pool_map),
+        tenants=tenant_accounts(engine, pool_map, columns),
         invariant_violations=sorted(set(violations)),
     )
 
