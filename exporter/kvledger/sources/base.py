@@ -16,8 +16,12 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvledger.model import EngineFacts, GpuFacts, PoolFacts, Snapshot
+
+
+T = TypeVar("T")
 
 
 class SourceError(Exception):
@@ -74,9 +78,21 @@ class EngineContribution(Contribution):
                 merged.admission = base.admission
             if merged.overflow is None:
                 merged.overflow = base.overflow
+            merged.budgets = _fill(merged.budgets, base.budgets)
+            merged.host = _fill(merged.host, base.host)
             snapshot.engines[snapshot.engines.index(base)] = merged
         else:
             snapshot.engines.append(merged)
+
+
+def _fill(primary: T, fallback: T) -> T:
+    """A copy of dataclass ``primary`` whose None fields take ``fallback``'s values."""
+    changes = {
+        f.name: getattr(fallback, f.name)
+        for f in dataclasses.fields(primary)  # type: ignore[arg-type]
+        if getattr(primary, f.name) is None and getattr(fallback, f.name) is not None
+    }
+    return dataclasses.replace(primary, **changes) if changes else primary  # type: ignore[type-var]
 
 
 @dataclass

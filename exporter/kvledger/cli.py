@@ -1,0 +1,219 @@
+"""The `kvledger` command: serve, demo, snapshot, check, lab."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+
+from kvledger import __version__
+from kvledger.collector import Collector
+from kvledger.config import Config, ConfigError, load_config
+from kvledger.json_view import accounts_to_json
+from kvledger.policy import Accounts
+from kvledger.prometheus_output import make_registry
+from kvledger.server import KvledgerHTTPServer
+from kvledger.sources.base import Source
+
+log = logging.getLogger("kvledger")
+
+DEMO_LISTEN = "127.0.0.1:9477"
+
+
+def _collector(config: Config, extra: Sequence[Source] = ()) -> Collector:
+    from kvledger.sources.registry import build_sources
+
+    sources, timeouts, base = build_sources(config)
+    sources.extend(extra)
+    return Collector(
+        sources=sources,
+        base_engines=base,
+        sharing=config.sharing,
+        interval=config.interval_seconds,
+        timeouts=timeouts,
+    )
+
+
+def _run_until_signal(
+    collector: Collector,
+    listen: str,
+    json_view: bool,
+    on_stop: Callable[[], None] | None = None,
+    otlp_endpoint: str | None = None,
+) -> int:
+    registry = make_registry(collector.latest)
+    try:
+        server = KvledgerHTTPServer(listen, registry, collector, json_view=json_view)
+    except OSError as exc:
+        log.error("cannot listen on %s: %s", listen, exc.strerror or exc)
+        collector.stop()
+        if on_stop:
+            on_stop()
+        return 2
+    stop = threading.Event()
+
+    def handle(signum: int, _frame: object) -> None:
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+    otlp = None
+    if otlp_endpoint:
+        from kvledger.otlp_output import OtlpOutput
+
+        otlp = OtlpOutput(otlp_endpoint, collector.latest)
+    collector.start()
+    server.start()
+    log.info("kvledger %s serving on %s/metrics", __version__, server.url)
+    stop.wait()
+    server.stop()
+    if otlp is not None:
+        otlp.stop()
+    collector.stop()
+    if on_stop:
+        on_stop()
+    log.info("stopped")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    collector = _collector(config)
+    return _run_until_signal(collector, args.listen or config.listen, config.json_view, otlp_endpoint=config.otlp_endpoint)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvledger.sim.demo import start_demo
+
+    demo = start_demo(fault=args.fault, seed=args.seed)
+    config = Config(listen=args.listen, interval_seconds=args.interval, sharing=args.sharing, engines=tuple(demo.engines), json_view=True)
+    collector = _collector(config, extra=demo.sources)
+    print(f"kvledger demo: simulated engines {', '.join(e.name for e in demo.engines)} and GPUs; "
+          f"metrics on http://{args.listen}/metrics (Ctrl-C stops)", flush=True)
+    return _run_until_signal(collector, args.listen, True, on_stop=demo.stop)
+
+
+def _print_table(accounts: Accounts, collector: Collector) -> None:
+    view = accounts_to_json(accounts, collector)
+    print("sources:")
+    for s in view["sources"]:
+        state = "up" if s["up"] else f"DOWN ({s['reason']}): {s['message']}"
+        print(f"  {s['engine'] or '-':20s} {s['source']:10s} {state}")
+    for name, samples in view["metrics"].items():
+        for sample in samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sample["labels"].items())
+            print(f"{name}{{{labels}}} {sample['value']:g}")
+
+
+def cmd_snapshot(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    collector = _collector(config)
+    try:
+        accounts = collector.poll_once()
+        if args.json:
+            print(json.dumps(accounts_to_json(accounts, collector), indent=1))
+        else:
+            _print_table(accounts, collector)
+        failed = [(h, m) for h, m in collector.health() if not h.up]
+        for h, m in failed:
+            print(f"kvledger: source {h.engine or '-'}/{h.source} failed ({h.reason}): {m}", file=sys.stderr)
+        return 1 if failed else 0
+    finally:
+        collector.stop()
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    print(f"{args.config}: configuration is valid ({len(config.engines)} engine(s), sharing={config.sharing})")
+    collector = _collector(config)
+    try:
+        collector.poll_once()
+        bad = 0
+        for h, message in collector.health():
+            if h.up:
+                print(f"  ok    {h.engine or '-'}/{h.source}")
+            else:
+                bad += 1
+                print(f"  FAIL  {h.engine or '-'}/{h.source}: {h.reason}: {message}")
+        return 1 if bad else 0
+    finally:
+        collector.stop()
+
+
+def cmd_lab(args: argparse.Namespace) -> int:
+    from kvledger.lab import format_lab, run_lab
+
+    try:
+        result = run_lab(args.capacity, args.working_set, args.requests)
+    except ValueError as exc:
+        print(f"kvledger lab: {exc}", file=sys.stderr)
+        return 2
+    print(format_lab(result, args.capacity, args.working_set))
+    return 0
+
+
+LAB_HELP = (
+    "Replay a repeating sequence of S identifiers through an LRU cache of capacity C and print each "
+    "step with the totals of hits, misses and evictions. It illustrates a working set fitting or "
+    "failing to fit a capacity (C=4, S=4: 12 hits of 16; C=3, S=4: none). It is NOT a model of safe "
+    "KV eviction: an engine may only evict blocks that no request references, and can drop a live "
+    "request's KV only by recomputing it (or another correctness-preserving policy)."
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvledger", description="KV-cache accounting exporter for LLM inference servers.")
+    p.add_argument("--version", action="version", version=f"kvledger {__version__}")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the exporter on a configuration file")
+    s.add_argument("--config", required=True)
+    s.add_argument("--listen", help="HOST:PORT (overrides the config's listen)")
+    s.set_defaults(func=cmd_serve)
+
+    d = sub.add_parser("demo", help="simulated engines and GPUs, exported live; no GPU or engine needed")
+    d.add_argument("--listen", default=DEMO_LISTEN, help=f"HOST:PORT (default {DEMO_LISTEN})")
+    d.add_argument("--fault", default="none",
+                   help="inject a fault into the simulator: none, reserve-overcommit, per-request-used, leak, overflow")
+    d.add_argument("--seed", type=int, default=7)
+    d.add_argument("--interval", type=float, default=1.0, help="poll interval in seconds")
+    d.add_argument("--sharing", default="per-request", choices=("per-request", "reference-aware"))
+    d.set_defaults(func=cmd_demo)
+
+    sn = sub.add_parser("snapshot", help="poll every source once and print the accounts; non-zero if a source failed")
+    sn.add_argument("--config", required=True)
+    sn.add_argument("--json", action="store_true")
+    sn.set_defaults(func=cmd_snapshot)
+
+    c = sub.add_parser("check", help="validate the configuration and probe every source")
+    c.add_argument("--config", required=True)
+    c.set_defaults(func=cmd_check)
+
+    lab = sub.add_parser("lab", help="cache lab: a working set fitting or failing to fit an LRU capacity",
+                         description=LAB_HELP)
+    lab.add_argument("--capacity", type=int, required=True, metavar="C")
+    lab.add_argument("--working-set", type=int, required=True, metavar="S")
+    lab.add_argument("--requests", type=int, default=16, metavar="N", help="requests to replay (default 16, at most 4096)")
+    lab.set_defaults(func=cmd_lab)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"kvledger: configuration error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

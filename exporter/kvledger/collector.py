@@ -1,0 +1,219 @@
+"""Background polling of every source, each isolated with its own timeout, and the
+accounting of the assembled Snapshot. A scrape reads ``latest()``; it never waits.
+
+Each cycle (every ``interval`` seconds) submits a poll for every source that is not
+already in flight, waits at most until the next cycle, then assembles a fresh
+Snapshot from the latest contribution of every source that is *up* and runs the
+policy. A source that raises is marked down with its reason; one that hangs past its
+timeout is marked down (``timeout``) and is not polled again until the hung poll
+returns. A down source contributes nothing: its series disappear rather than go stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+from kvledger.model import EngineFacts, Snapshot, SourceHealth
+from kvledger.policy import Accounts, compute_accounts
+from kvledger.sources.base import Contribution, EngineContribution, Source, SourceError
+
+log = logging.getLogger("kvledger.collector")
+
+
+@dataclass
+class _Runner:
+    source: Source
+    timeout: float
+    health: SourceHealth
+    latest: Contribution | None = None
+    future: Future[Contribution] | None = None
+    started: float = 0.0
+    timed_out: bool = False
+    generation: int = 0  # successful polls so far
+    message: str | None = None  # the full text of the latest failure
+
+
+@dataclass
+class _PollOutcome:
+    contribution: Contribution | None
+    error: SourceError | None
+    duration: float
+
+
+def _timed_poll(source: Source) -> _PollOutcome:
+    start = time.monotonic()
+    try:
+        contribution = source.poll()
+        return _PollOutcome(contribution, None, time.monotonic() - start)
+    except SourceError as exc:
+        return _PollOutcome(None, exc, time.monotonic() - start)
+    except Exception as exc:  # a bug in a source must not stop the others: report it as one
+        log.exception("source %s/%s raised unexpectedly", source.engine, source.kind)
+        return _PollOutcome(None, SourceError("internal", f"{type(exc).__name__}: {exc}"), time.monotonic() - start)
+
+
+@dataclass
+class Collector:
+    sources: Sequence[Source]
+    base_engines: Sequence[EngineFacts] = ()
+    sharing: str = "per-request"
+    interval: float = 1.0
+    timeouts: dict[int, float] = field(default_factory=dict)  # id(source) -> seconds
+    default_timeout: float = 2.0
+    on_cycle: Callable[[Accounts], None] | None = None
+
+    def __post_init__(self) -> None:
+        self._runners = [
+            _Runner(s, self.timeouts.get(id(s), self.default_timeout), SourceHealth(s.engine, s.kind, up=False, reason="not polled yet"))
+            for s in self.sources
+        ]
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self._runners)), thread_name_prefix="kvledger-poll")
+        self._lock = threading.Lock()
+        self._latest: Accounts | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._invariant_totals: dict[tuple[str, str], int] = {}
+        self._counted_generation: dict[str, int] = {}
+        self.cycles = 0
+
+    # ------------------------------------------------------------ public
+
+    def latest(self) -> Accounts | None:
+        return self._latest
+
+    def ready(self) -> bool:
+        return self._latest is not None
+
+    def health(self) -> list[tuple[SourceHealth, str | None]]:
+        """Each source's health with the full message of its latest failure."""
+        return [(dataclasses.replace(r.health), r.message) for r in self._runners]
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="kvledger-collector", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval + 5)
+        for r in self._runners:
+            try:
+                r.source.close()
+            except Exception:  # closing is best effort; report and go on
+                log.exception("closing source %s/%s", r.source.engine, r.source.kind)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def poll_once(self) -> Accounts:
+        """Poll every source once, waiting for each up to its timeout (for `snapshot`)."""
+        self._submit_idle()
+        deadline = time.monotonic() + max((r.timeout for r in self._runners), default=0.0)
+        while any(r.future is not None for r in self._runners) and time.monotonic() < deadline:
+            pending = [r.future for r in self._runners if r.future is not None]
+            wait(pending, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED)
+            self._harvest()
+        self._harvest(force_timeouts=True)
+        return self._account()
+
+    # ------------------------------------------------------------ cycle
+
+    def _loop(self) -> None:
+        next_cycle = time.monotonic()
+        while not self._stop.is_set():
+            self._submit_idle()
+            pending = [r.future for r in self._runners if r.future is not None]
+            # wait for this cycle's polls, but never past the next cycle
+            if pending:
+                wait(pending, timeout=max(0.0, next_cycle + self.interval * 0.9 - time.monotonic()))
+            self._harvest()
+            try:
+                self._account()
+            except Exception:  # the policy must never take the daemon down; keep the last accounts
+                log.exception("accounting failed; keeping the previous accounts")
+            next_cycle += self.interval
+            delay = next_cycle - time.monotonic()
+            if delay < 0:
+                next_cycle = time.monotonic()
+                delay = 0
+            self._stop.wait(delay)
+
+    def _submit_idle(self) -> None:
+        now = time.monotonic()
+        for r in self._runners:
+            if r.future is None:
+                r.started = now
+                r.timed_out = False
+                r.future = self._pool.submit(_timed_poll, r.source)
+
+    def _harvest(self, force_timeouts: bool = False) -> None:
+        now = time.monotonic()
+        for r in self._runners:
+            if r.future is None:
+                continue
+            if r.future.done():
+                outcome = r.future.result()
+                r.future = None
+                r.health.duration_seconds = outcome.duration
+                if outcome.error is None:
+                    r.latest = outcome.contribution
+                    r.generation += 1
+                    r.health.up = True
+                    r.health.reason = None
+                    r.message = None
+                    r.health.last_success = time.time()
+                else:
+                    self._mark_down(r, outcome.error.reason, outcome.error.message)
+            elif (force_timeouts or now - r.started > r.timeout) and not r.timed_out:
+                r.timed_out = True
+                self._mark_down(r, "timeout", f"no answer within {r.timeout:g} s")
+
+    def _mark_down(self, r: _Runner, reason: str, message: str) -> None:
+        if r.health.up or r.message != message:
+            log.warning("source %s/%s down (%s): %s", r.source.engine or "-", r.source.kind, reason, message)
+        r.latest = None
+        r.health.up = False
+        r.health.reason = reason
+        r.message = message
+        r.health.errors[reason] = r.health.errors.get(reason, 0) + 1
+
+    def _account(self) -> Accounts:
+        snapshot = Snapshot(
+            engines=[dataclasses.replace(e) for e in self.base_engines],
+            sharing=self.sharing,  # type: ignore[arg-type]
+            taken_at=time.time(),
+            health=[dataclasses.replace(r.health, errors=dict(r.health.errors)) for r in self._runners],
+        )
+        fresh_primaries: set[str] = set()
+        contributions = [(r.latest.order, i, r) for i, r in enumerate(self._runners) if r.latest is not None]
+        for _, _, r in sorted(contributions, key=lambda t: (t[0], t[1])):
+            assert r.latest is not None
+            r.latest.apply(snapshot)
+            if isinstance(r.latest, EngineContribution):
+                name = r.latest.facts.name
+                if self._counted_generation.get(f"{id(r)}") != r.generation:
+                    self._counted_generation[f"{id(r)}"] = r.generation
+                    fresh_primaries.add(name)
+        accounts = compute_accounts(snapshot)
+        for engine in accounts.engines:
+            if engine.name in fresh_primaries:
+                for check in engine.invariant_violations:
+                    key = (engine.name, check)
+                    self._invariant_totals[key] = self._invariant_totals.get(key, 0) + 1
+        totals = dict(self._invariant_totals)
+        for engine in accounts.engines:
+            # counts a source keeps itself (cumulative), e.g. event-stream checks
+            for check, n in engine.facts.invariant_violations.items():
+                key = (engine.name, check)
+                totals[key] = totals.get(key, 0) + n
+        accounts.invariant_totals = totals
+        with self._lock:
+            self._latest = accounts
+            self.cycles += 1
+        if self.on_cycle is not None:
+            self.on_cycle(accounts)
+        return accounts

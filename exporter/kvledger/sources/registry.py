@@ -1,0 +1,74 @@
+"""Builds the sources and the config-derived base facts of each configured engine."""
+
+from __future__ import annotations
+
+from kvledger.config import Config, ConfigError, EngineConfig
+from kvledger.model import Budgets, EngineFacts, HostFacts, Limit, MemoryTerm, TenantQuota
+from kvledger.sources.base import Source
+
+#: engine kinds with an adapter in this release
+SUPPORTED_KINDS = ("ledger", "vllm")
+
+
+def base_engine_facts(cfg: EngineConfig) -> EngineFacts:
+    """What the configuration alone says about an engine (the sources add the rest)."""
+    gpus = list(cfg.gpus)
+    memory = [
+        MemoryTerm(gpu, category, term.value, term.source)  # type: ignore[arg-type]
+        for category, term in cfg.memory.terms.items()
+        for gpu in (gpus or [0])
+    ]
+    host = HostFacts(
+        output_buffer_limit=Limit(cfg.host.output_buffer_limit_bytes.value, cfg.host.output_buffer_limit_bytes.kind)  # type: ignore[arg-type]
+        if cfg.host.output_buffer_limit_bytes
+        else None,
+        network_queue_limit=Limit(cfg.host.network_queue_limit.value, cfg.host.network_queue_limit.kind)  # type: ignore[arg-type]
+        if cfg.host.network_queue_limit
+        else None,
+    )
+    return EngineFacts(
+        name=cfg.name,
+        kind=cfg.kind,
+        source=cfg.kind,
+        admission=cfg.admission,  # type: ignore[arg-type]
+        overflow=cfg.overflow,  # type: ignore[arg-type]
+        budgets=Budgets(
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=cfg.max_model_len,
+        ),
+        memory=memory,
+        host=host,
+        tenants=[TenantQuota(t.name, t.quota_bytes) for t in cfg.tenants],
+        gpus=gpus,
+        pids=list(cfg.processes.pids) if cfg.processes else [],
+    )
+
+
+def engine_sources(cfg: EngineConfig) -> list[Source]:
+    sources: list[Source] = []
+    if cfg.kind == "ledger":
+        from kvledger.sources.ledger import LedgerSource
+
+        sources.append(LedgerSource(cfg))
+    elif cfg.kind == "vllm":
+        from kvledger.sources.vllm import VllmSource
+
+        sources.append(VllmSource(cfg))
+    else:
+        raise ConfigError(
+            f"{cfg.name}: engine kind {cfg.kind!r} has no adapter in this release "
+            f"(supported: {', '.join(SUPPORTED_KINDS)}); use kind: ledger with an in-engine integration"
+        )
+    return sources
+
+
+def build_sources(config: Config) -> tuple[list[Source], dict[int, float], list[EngineFacts]]:
+    """Sources, their timeouts (by id), and the base facts of every engine."""
+    sources: list[Source] = []
+    timeouts: dict[int, float] = {}
+    for cfg in config.engines:
+        for s in engine_sources(cfg):
+            sources.append(s)
+            timeouts[id(s)] = cfg.timeout_seconds
+    return sources, timeouts, [base_engine_facts(c) for c in config.engines]

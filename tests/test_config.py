@@ -1,0 +1,99 @@
+"""Configuration: typed objects, clear errors naming the file and key path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvledger.config import ConfigError, load_config, parse_duration, parse_size
+
+GOOD = """
+listen: "127.0.0.1:9500"
+interval_seconds: 0.5
+policy:
+  sharing: reference-aware
+nvml:
+  enabled: false
+engines:
+  - name: llama-8b
+    kind: vllm
+    url: http://127.0.0.1:8000/metrics
+    timeout_seconds: 500ms
+    kv_events: tcp://127.0.0.1:5557
+    block_bytes: 2MiB
+    max_model_len: 8192
+    max_num_batched_tokens: 8192
+    max_num_seqs: 256
+    gpus: [0, 1]
+    processes: {match: "vllm"}
+    memory: {reserve_bytes: {value: 2GiB, source: configured}, weights_bytes: 16GB}
+    host: {port: 8000, output_buffer_limit_bytes: {value: 64MiB, kind: hard},
+           network_queue_limit: {value: 1024, kind: estimate}}
+    tenants: [{name: team-a, quota_bytes: 10GiB}]
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "kvledger.yml"
+    p.write_text(text)
+    return p
+
+
+def test_full_config(tmp_path: Path) -> None:
+    c = load_config(write(tmp_path, GOOD))
+    assert c.listen == "127.0.0.1:9500" and c.interval_seconds == 0.5 and c.sharing == "reference-aware"
+    assert c.nvml.enabled == "false"
+    e = c.engines[0]
+    assert e.timeout_seconds == 0.5 and e.block_bytes == 2 * 2**20 and e.gpus == (0, 1)
+    assert e.memory.terms["reserve"].value == 2 * 2**30 and e.memory.terms["weights"].value == 16 * 10**9
+    assert e.host.output_buffer_limit_bytes.value == 64 * 2**20  # type: ignore[union-attr]
+    assert e.host.network_queue_limit.kind == "estimate"  # type: ignore[union-attr]
+    assert e.tenants[0].quota_bytes == 10 * 2**30
+
+
+def test_defaults(tmp_path: Path) -> None:
+    c = load_config(write(tmp_path, "engines: []\n"))
+    assert c.listen == "0.0.0.0:9477" and c.interval_seconds == 1.0 and c.sharing == "per-request"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("listn: x\n", "<top>: unknown key(s): listn"),
+        ("policy: {sharing: unique}\n", "policy.sharing: must be one of per-request, reference-aware"),
+        ("engines:\n  - {name: a, kind: vllm}\n", "engines[0].url: is required"),
+        ("engines:\n  - {name: a, kind: foo, url: 'http://x'}\n", "engines[0].kind: must be one of"),
+        ("engines:\n  - {name: a, kind: vllm, url: 'http://x', block_bytes: 2XB}\n", "engines[0].block_bytes: expected a size"),
+        ("engines:\n  - {name: a, kind: vllm, url: 'http://x', timeout_seconds: -1}\n", "engines[0].timeout_seconds"),
+        ("engines:\n  - {name: a, kind: vllm, url: 'http://x', host: {prot: 1}}\n", "engines[0].host: unknown key(s): prot"),
+        ("engines:\n  - {name: a, kind: vllm, url: 'http://x', tenants: [{name: t}]}\n", "engines[0].tenants[0].quota_bytes: is required"),
+        ("engines:\n  - {name: a, kind: vllm, url: 'http://x'}\n  - {name: a, kind: vllm, url: 'http://y'}\n", "duplicate engine name"),
+        ("engines: [\n", "invalid YAML at line"),
+        ("listen: nohost\n", "listen: expected HOST:PORT"),
+    ],
+)
+def test_errors_name_file_and_key(tmp_path: Path, text: str, message: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(path) in str(err.value)
+    assert message in str(err.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "nope.yml")
+
+
+def test_sizes_and_durations() -> None:
+    assert parse_size("2GiB") == 2 * 2**30
+    assert parse_size("500MB") == 500 * 10**6
+    assert parse_size(123) == 123
+    assert parse_size("1.5KiB") == 1536
+    for bad in ("-1", "1.5B", "abc", True, -3):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    assert parse_duration("500ms") == 0.5 and parse_duration(2) == 2.0 and parse_duration("1m") == 60.0
+    with pytest.raises(ValueError):
+        parse_duration(0)

@@ -1,0 +1,91 @@
+"""The exposition: every catalogue family renders, promtool accepts it, the name lint passes."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+from prometheus_client.exposition import generate_latest
+
+from exposition_lint import lint_exposition
+from kvledger.catalog import CATALOG
+from kvledger.model import (
+    BlockRef, Budgets, EngineFacts, GpuFacts, GpuProcess, HostFacts, Limit, MemoryTerm, PoolFacts,
+    RequestFacts, Snapshot, SourceHealth, TenantQuota,
+)
+from kvledger.policy import compute_accounts
+from kvledger.prometheus_output import make_registry
+
+
+def rich_snapshot() -> Snapshot:
+    refs = [BlockRef(0, 2, True), BlockRef(1, 1, True), BlockRef(2, 0, True)]
+    pool = PoolFacts(id="0", block_size=16, num_blocks=10, block_bytes=1000, block_refs=refs, engine_reported_used_blocks=2)
+    reqs = [
+        RequestFacts(id="a", state="running", prompt_tokens=20, max_output_tokens=10, tenant="t1", blocks_held=2,
+                     block_ids=[0, 1], computed_tokens=25, contexts=2, speculative_slots=2),
+        RequestFacts(id="b", state="running", prompt_tokens=16, max_output_tokens=40, output_bound="estimate",
+                     tenant="t1", blocks_held=1, block_ids=[0], computed_tokens=17),
+        RequestFacts(id="c", state="waiting", prompt_tokens=16, max_output_tokens=40),
+    ]
+    e = EngineFacts(
+        name="sim", kind="ledger", source="ledger", version="1.0", admission="dynamic", overflow="preempt-recompute",
+        budgets=Budgets(8192, 300, 16, 4096), pools=[pool], requests=reqs,
+        counters={"preemptions": 1, "reservation_overflows": 2, "admission_rechecks_accepted": 3,
+                  "admission_rechecks_rejected": 0, "reservation_leaks": 0},
+        memory=[MemoryTerm(0, c, 1000, "measured") for c in ("weights", "workspace", "runtime_buffers", "reserve")],
+        host=HostFacts(10, Limit(100, "hard"), 2, Limit(50, "estimate"), 0, 5),
+        tenants=[TenantQuota("t1", 5000)], gpus=[0], pids=[42],
+        kv_events={"BlockStored": 3}, kv_events_lost=0,
+    )
+    vllm_pool = PoolFacts(id="0", block_size=32, num_blocks=127, block_bytes=16384, in_use=4, cached_blocks=17, running_requests=1)
+    v = EngineFacts(name="vllm", kind="vllm", source="vllm", pools=[vllm_pool], budgets=Budgets(max_model_len=1024))
+    gpu = GpuFacts(0, True, "GPU-1", "H200", False, 10**6, 5 * 10**5, 4 * 10**5, 10**5, [GpuProcess(42, 12345)])
+    health = [SourceHealth("sim", "ledger", True, None, 1.0, 0.01, {"timeout": 1})]
+    return Snapshot(engines=[e, v], gpus=[gpu, GpuFacts(1, False)], driver_version="560.1", health=health)
+
+
+def exposition() -> str:
+    accounts = compute_accounts(rich_snapshot())
+    accounts.invariant_totals = {("sim", "partition"): 1}
+    return generate_latest(make_registry(lambda: accounts, process_metrics=False)).decode()
+
+
+def test_every_catalogue_family_has_samples() -> None:
+    text = exposition()
+    missing = [m.name for m in CATALOG if f"\n{m.name}{{" not in text and f"\n{m.name} " not in text]
+    assert missing == []
+
+
+def test_bounds_carry_their_basis() -> None:
+    text = exposition()
+    assert 'kvledger_kv_reserved_blocks{basis="upper_bound",engine="vllm",pool="0"} 32.0' in text
+    assert 'kvledger_kv_reclaimable_bytes{basis="lower_bound",engine="vllm",pool="0"}' in text
+    assert 'kvledger_kv_reclaimable_bytes{basis="upper_bound",engine="vllm",pool="0"}' in text
+    # bounded states are not presented in the exact partition
+    assert 'kvledger_kv_blocks{engine="vllm",pool="0",state="in_use"} 4.0' in text
+    assert 'kvledger_kv_blocks{engine="vllm",pool="0",state="free"}' not in text
+    # a lost GPU reports up=0 and nothing else
+    assert 'kvledger_gpu_up{gpu="1"} 0.0' in text
+    assert 'kvledger_gpu_memory_used_bytes{gpu="1"}' not in text
+
+
+def test_promtool_check_metrics_has_no_findings() -> None:
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is required (Debian package prometheus; `make system-deps`)"
+    proc = subprocess.run([promtool, "check", "metrics"], input=exposition(), capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "" and proc.stderr.strip() == "", proc.stdout + proc.stderr
+
+
+def test_name_lint_passes() -> None:
+    assert lint_exposition(exposition()) == []
+
+
+def test_name_lint_catches_bad_names() -> None:
+    bad = (
+        "# TYPE kvledger_memUsed_mb gauge\nkvledger_memUsed_mb{gpuIndex=\"0\"} 1\n"
+        "# TYPE kvledger_thing_total gauge\nkvledger_thing_total 1\n"
+        "# TYPE kvledger_x_info gauge\nkvledger_x_info 2\n"
+    )
+    problems = "\n".join(lint_exposition(bad))
+    for expected in ("not snake_case", "base units", "label 'gpuIndex'", "_total on a gauge", "_info must be a gauge equal to 1"):
+        assert expected in problems
