@@ -66,6 +66,9 @@ def positive(expr: str) -> str:
 
 def ratio(numerator: str, denominator: str, matching: str = "") -> str:
     """``numerator / (denominator > 0)`` with an optional vector-matching clause."""
+    if matching.endswith(("group_left", "group_right")):
+        # A parenthesis right after group_left would be read as its label list.
+        matching += " ()"
     join = f" {matching} " if matching else " "
     return f"{numerator} /{join}{positive(denominator)}"
 
