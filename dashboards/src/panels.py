@@ -110,8 +110,10 @@ def timeseries(
     threshold_line: bool = False,
     unstacked: Sequence[str] = (),
     soft_min: int | None = None,
+    repeat: str | None = None,
 ) -> g.TimeSeries:
-    """A time series panel. ``unstacked`` lists legend regexes drawn as lines over a stack."""
+    """A time series panel. ``unstacked`` lists legend regexes drawn as lines over a stack;
+    ``repeat`` names a variable to repeat the panel over (one panel per value)."""
     overrides = [
         {
             "matcher": {"id": "byRegexp", "options": pattern},
@@ -141,6 +143,7 @@ def timeseries(
         thresholdsStyleMode="line" if threshold_line else "off",
         overrides=overrides,
         axisSoftMin=soft_min,
+        repeat=g.Repeat(direction="h", variable=repeat, maxPerRow=2) if repeat else g.Repeat(),
     )
 
 
