@@ -1,0 +1,1 @@
+"""Grafana dashboards generated with grafanalib (sources in dashboards/src, JSON in dashboards/json)."""

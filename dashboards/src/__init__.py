@@ -1,0 +1,1 @@
+"""grafanalib sources of the kvledger dashboards; ``ALL`` lists the builders."""

@@ -1,0 +1,145 @@
+"""Fleet overview across nodes, from the recording rules (alerts/ defines them)."""
+
+from __future__ import annotations
+
+from grafanalib import core as g
+
+from dashboards.src import panels as p
+from dashboards.src.panels import q
+from dashboards.src.promql import ratio, sel
+
+UID = "kvledger-fleet"
+TITLE = "kvledger / Fleet overview"
+
+
+def dashboard() -> g.Dashboard:
+    grid = p.Grid()
+    grid.add(
+        p.stat(
+            "Fleet KV capacity",
+            "KV capacity summed over every pool of every engine on every node.",
+            [q(sel("kvledger:kv_capacity_bytes:sum"), "capacity")],
+            p.BYTES,
+        ),
+        w=6,
+        h=5,
+    )
+    grid.add(
+        p.stat(
+            "Fleet reserved / capacity",
+            "Fleet-wide reserved bytes over fleet-wide capacity, per basis.",
+            [
+                q(
+                    ratio(sel("kvledger:kv_reserved_bytes:sum"), sel("kvledger:kv_capacity_bytes:sum"),
+                          "on () group_left"),
+                    "{{basis}}",
+                )
+            ],
+            p.RATIO,
+            steps=(("green", None), ("orange", 0.9), ("red", 1.0)),
+        ),
+        w=6,
+        h=5,
+    )
+    grid.add(
+        p.stat(
+            "Fleet GPU memory used / total",
+            "NVML used over NVML total, summed over every GPU of the fleet.",
+            [q(ratio(sel("kvledger:gpu_memory_used_bytes:sum"), sel("kvledger:gpu_memory_total_bytes:sum")), "used")],
+            p.RATIO,
+            steps=(("green", None), ("orange", 0.9), ("red", 0.97)),
+        ),
+        w=6,
+        h=5,
+    )
+    grid.add(
+        p.stat(
+            "Fleet unaccounted GPU memory",
+            "GPU memory no engine declared, summed over the fleet, per basis.",
+            [q(sel("kvledger:gpu_memory_unaccounted_bytes:sum"), "{{basis}}")],
+            p.BYTES,
+        ),
+        w=6,
+        h=5,
+    )
+    grid.row("KV memory across the fleet")
+    grid.add(
+        p.timeseries(
+            "Fleet capacity vs reserved vs allocated",
+            "Fleet sums: capacity, reserved (what admitted requests may claim) and allocated (physically "
+            "holding data), by basis.",
+            [
+                q(sel("kvledger:kv_capacity_bytes:sum"), "capacity"),
+                q(sel("kvledger:kv_reserved_bytes:sum"), "reserved ({{basis}})"),
+                q(sel("kvledger:kv_allocated_bytes:sum"), "allocated ({{basis}})"),
+            ],
+            p.BYTES,
+        ),
+        w=12,
+        h=9,
+    )
+    grid.add(
+        p.table(
+            "Most overcommitted pools",
+            "The ten pools with the highest reserved / capacity ratio, by engine, pool and basis.",
+            [q("topk(10, " + sel("kvledger:kv_overcommit:ratio") + ")", table=True)],
+            p.RATIO,
+            hide=("Time", "__name__"),
+            hide_value=False,
+        ),
+        w=12,
+        h=9,
+    )
+    grid.row("GPU memory across the fleet")
+    grid.add(
+        p.timeseries(
+            "Fleet GPU memory: used vs total",
+            "NVML used and total memory summed over every GPU of the fleet.",
+            [
+                q(sel("kvledger:gpu_memory_total_bytes:sum"), "total"),
+                q(sel("kvledger:gpu_memory_used_bytes:sum"), "used"),
+            ],
+            p.BYTES,
+        ),
+        w=12,
+    )
+    grid.add(
+        p.timeseries(
+            "Fleet unaccounted GPU memory",
+            "GPU memory no engine declared, summed over the fleet, per basis.",
+            [q(sel("kvledger:gpu_memory_unaccounted_bytes:sum"), "{{basis}}")],
+            p.BYTES,
+        ),
+        w=12,
+    )
+    grid.row("Policies and nodes")
+    grid.add(
+        p.table(
+            "Policies in the fleet",
+            "How many engines run each declared accounting policy (sharing rule, admission, overflow, tenant "
+            "rule).",
+            [q("count by (sharing, admission, overflow, tenant_rule) (" + sel("kvledger_policy_info") + ")",
+               table=True)],
+            p.COUNT,
+            hide=("Time",),
+            hide_value=False,
+        ),
+        w=12,
+    )
+    grid.add(
+        p.table(
+            "Nodes",
+            "Every node running kvledger with its version.",
+            [q(sel("kvledger_build_info"), table=True)],
+            hide=("Time", "__name__"),
+        ),
+        w=12,
+    )
+    return p.dashboard(
+        TITLE,
+        UID,
+        "KV memory and GPU memory summed across every node, the most overcommitted pools and the policies "
+        "in force, from the kvledger recording rules.",
+        grid,
+        [],
+    )

@@ -1,0 +1,356 @@
+"""KV ledger, per engine: reservations versus physical state, the two headrooms, overcommit,
+prefix sharing, token budgets, output bounds and tenants — under the declared policy."""
+
+from __future__ import annotations
+
+from grafanalib import core as g
+
+from dashboards.src import panels as p
+from dashboards.src.panels import q
+from dashboards.src.promql import ENGINE, INSTANCE, POOL, TENANT, rate, ratio, sel, sum_by
+
+UID = "kvledger-kv-ledger"
+TITLE = "kvledger / KV ledger"
+
+EP = (INSTANCE, ENGINE, POOL)
+EPL = "{{engine}}/{{pool}}"
+
+
+def _capacity_row(grid: p.Grid) -> None:
+    grid.row("Capacity, reservations and physical state (bytes)")
+    grid.add(
+        p.timeseries(
+            "Capacity vs reserved vs allocated vs reclaimable vs free",
+            "Reserved is what admitted requests (running and preempted) may claim under the declared sharing "
+            "rule; allocated, reclaimable and free are the physical state of unique blocks (allocated = in use "
+            "+ reclaimable, free = capacity - allocated). `basis` says exact or a hard bound.",
+            [
+                q(sel("kvledger_kv_capacity_bytes", *EP), f"{EPL} capacity"),
+                q(sel("kvledger_kv_reserved_bytes", *EP), f"{EPL} reserved ({{{{basis}}}})"),
+                q(sel("kvledger_kv_allocated_bytes", *EP), f"{EPL} allocated ({{{{basis}}}})"),
+                q(sel("kvledger_kv_reclaimable_bytes", *EP), f"{EPL} reclaimable ({{{{basis}}}})"),
+                q(sel("kvledger_kv_free_bytes", *EP), f"{EPL} free ({{{{basis}}}})"),
+            ],
+            p.BYTES,
+        ),
+        w=16,
+        h=9,
+    )
+    grid.add(
+        p.timeseries(
+            "Unique blocks by state (partition of capacity)",
+            "Unique KV blocks by state, stacked: in_use + reclaimable + free = capacity. A state is drawn "
+            "only when known exactly.",
+            [q(sel("kvledger_kv_blocks", *EP), f"{EPL} {{{{state}}}}")],
+            p.COUNT,
+            axis="blocks",
+            stack=True,
+        ),
+        w=8,
+        h=9,
+    )
+
+
+def _headroom_row(grid: p.Grid) -> None:
+    grid.row("Headroom: quota and physical (two different numbers, never merged)")
+    grid.add(
+        p.timeseries(
+            "Quota headroom (capacity - reserved)",
+            "kind=quota: capacity minus reserved. Below zero the pool is overcommitted: admitted requests may "
+            "claim more than the pool holds.",
+            [q(sel("kvledger_kv_headroom_bytes", *EP, 'kind="quota"'), f"{EPL} quota ({{{{basis}}}})")],
+            p.BYTES,
+            steps=(("red", None), ("green", 0)),
+            threshold_line=True,
+        ),
+        w=9,
+    )
+    grid.add(
+        p.timeseries(
+            "Physical headroom (free + reclaimable)",
+            "kind=physical: free plus reclaimable unique blocks, memory a new allocation can get now. Not the "
+            "quota headroom: a pool can have physical headroom while its quota is exhausted.",
+            [q(sel("kvledger_kv_headroom_bytes", *EP, 'kind="physical"'), f"{EPL} physical ({{{{basis}}}})")],
+            p.BYTES,
+        ),
+        w=9,
+    )
+    grid.add(
+        p.stat(
+            "Admission headroom",
+            "More requests of the largest supported shape (max_model_len) that fit under the quota and under "
+            "max_num_seqs.",
+            [q(sel("kvledger_admission_headroom_requests", *EP), f"{EPL} ({{{{basis}}}})")],
+            p.COUNT,
+            steps=(("red", None), ("orange", 1), ("green", 4)),
+        ),
+        w=6,
+    )
+
+
+def _overcommit_row(grid: p.Grid) -> None:
+    grid.row("Overcommit and preemptions")
+    grid.add(
+        p.timeseries(
+            "Overcommit: reserved / capacity",
+            "Reserved bytes over capacity. Above 100% under admission=reserve-cap is a broken promise; under "
+            "admission=dynamic it predicts preemptions.",
+            [
+                q(
+                    ratio(
+                        sel("kvledger_kv_reserved_bytes", *EP),
+                        sel("kvledger_kv_capacity_bytes", *EP),
+                        "ignoring (basis) group_left",
+                    ),
+                    f"{EPL} ({{{{basis}}}})",
+                )
+            ],
+            p.RATIO,
+            steps=(("green", None), ("orange", 0.9), ("red", 1.0)),
+            threshold_line=True,
+        ),
+        w=9,
+    )
+    grid.add(
+        p.timeseries(
+            "Preemptions and admission re-checks",
+            "Preemptions reported by the engine and admission re-checks after a request raised its bound, per "
+            "second.",
+            [
+                q(sum_by("instance, engine", rate(sel("kvledger_preemptions_total", INSTANCE, ENGINE))),
+                  "{{engine}} preemptions"),
+                q(sum_by("instance, engine, result", rate(sel("kvledger_admission_rechecks_total", INSTANCE, ENGINE))),
+                  "{{engine}} re-check {{result}}"),
+            ],
+            p.PER_SECOND,
+        ),
+        w=9,
+    )
+    grid.add(
+        p.timeseries(
+            "Requests by state",
+            "Running and preempted requests are admitted (they hold reservations); waiting ones are not.",
+            [
+                q(sel("kvledger_requests", INSTANCE, ENGINE), "{{engine}} {{state}}"),
+                q(sel("kvledger_max_running_requests", INSTANCE, ENGINE), "{{engine}} max_num_seqs"),
+            ],
+            p.COUNT,
+            axis="requests",
+        ),
+        w=6,
+    )
+
+
+def _sharing_row(grid: p.Grid) -> None:
+    grid.row("Prefix sharing (sharing rule: see the policy table)")
+    grid.add(
+        p.table(
+            "Sharing rule in force",
+            "The sharing rule the reservations on this dashboard use (per-request or reference-aware).",
+            [q(sel("kvledger_policy_info", INSTANCE, ENGINE), table=True)],
+            hide=("Time", "__name__", "job", "instance", "admission", "overflow", "tenant_rule"),
+        ),
+        w=6,
+    )
+    grid.add(
+        p.timeseries(
+            "Unique blocks: in use and shared",
+            "Physical view, every block counted once: unique blocks referenced by at least one request, and "
+            "those referenced by more than one (shared prefixes).",
+            [
+                q(sel("kvledger_kv_blocks", *EP, 'state="in_use"'), f"{EPL} in use (unique)"),
+                q(sel("kvledger_kv_shared_blocks", *EP), f"{EPL} shared (unique)"),
+            ],
+            p.COUNT,
+            axis="blocks",
+        ),
+        w=9,
+    )
+    grid.add(
+        p.timeseries(
+            "Unique vs per-request block counts",
+            f"{p.CONSISTENCY_TOKEN} The one panel that puts the per-request view (sum of reference counts) "
+            "beside unique in-use blocks and the engine's own claim, to check them against each other: "
+            "references >= unique in use >= shared must hold, and the engine's claim should match unique in "
+            "use. Their difference is the sharing, not extra memory.",
+            [
+                q(sel("kvledger_kv_block_references", *EP), f"{EPL} references (per-request)"),
+                q(sel("kvledger_kv_blocks", *EP, 'state="in_use"'), f"{EPL} in use (unique)"),
+                q(sel("kvledger_engine_reported_kv_used_blocks", *EP), f"{EPL} engine-reported used"),
+            ],
+            p.COUNT,
+            axis="blocks",
+        ),
+        w=9,
+    )
+
+
+def _tokens_row(grid: p.Grid) -> None:
+    grid.row("Tokens: per-iteration budget vs resident cache")
+    grid.add(
+        p.timeseries(
+            "Iteration token budget vs resident tokens",
+            "The per-iteration budget (max_num_batched_tokens) bounds tokens computed per step, not the cache: "
+            "a decode step adds one token per request while each keeps all its earlier tokens resident.",
+            [
+                q(sel("kvledger_iteration_token_budget", INSTANCE, ENGINE), "{{engine}} iteration budget"),
+                q(sel("kvledger_iteration_tokens", INSTANCE, ENGINE), "{{engine}} scheduled this iteration"),
+                q(sel("kvledger_kv_resident_tokens", *EP), f"{EPL} resident ({{{{basis}}}})"),
+                q(sel("kvledger_kv_token_capacity", *EP), f"{EPL} token capacity"),
+            ],
+            p.COUNT,
+            axis="tokens",
+        ),
+        w=16,
+    )
+    grid.add(
+        p.gauge(
+            "Resident tokens / token capacity",
+            "Resident tokens of running requests over the tokens the pool can hold.",
+            [
+                q(
+                    ratio(
+                        sel("kvledger_kv_resident_tokens", *EP),
+                        sel("kvledger_kv_token_capacity", *EP),
+                        "ignoring (basis) group_left",
+                    ),
+                    f"{EPL} ({{{{basis}}}})",
+                )
+            ],
+            p.RATIO,
+            steps=(("green", None), ("orange", 0.8), ("red", 0.95)),
+        ),
+        w=8,
+    )
+
+
+def _bounds_row(grid: p.Grid) -> None:
+    grid.row("Output bounds: caps vs estimates")
+    grid.add(
+        p.timeseries(
+            "Pending growth by output bound",
+            "Growth admitted requests may still create (reservation minus held), stacked by the kind of bound "
+            "it rests on: cap (enforced max_tokens) or estimate (a prediction that can be exceeded).",
+            [q(sel("kvledger_kv_pending_growth_bytes", *EP), f"{EPL} {{{{output_bound}}}}")],
+            p.BYTES,
+            stack=True,
+        ),
+        w=9,
+    )
+    grid.add(
+        p.timeseries(
+            "Estimate overflows and reservation leaks",
+            "Requests whose output exceeded an estimated bound, and reservations found with no live request, "
+            "per second.",
+            [
+                q(sum_by("instance, engine", rate(sel("kvledger_reservation_overflows_total", INSTANCE, ENGINE))),
+                  "{{engine}} overflows"),
+                q(sum_by("instance, engine", rate(sel("kvledger_reservation_leaks_total", INSTANCE, ENGINE))),
+                  "{{engine}} leaks"),
+            ],
+            p.PER_SECOND,
+        ),
+        w=9,
+    )
+    grid.add(
+        p.timeseries(
+            "Extra context slots",
+            "Extra contexts of running requests: speculative lookahead slots and extra branches (n - 1).",
+            [q(sel("kvledger_extra_context_slots", INSTANCE, ENGINE), "{{engine}} {{kind}}")],
+            p.COUNT,
+            axis="slots",
+        ),
+        w=6,
+    )
+
+
+def _tenants_row(grid: p.Grid) -> None:
+    grid.row("Tenants vs quotas (per-request rule)")
+    te = (INSTANCE, ENGINE, TENANT)
+    grid.add(
+        p.timeseries(
+            "Tenant reserved vs quota",
+            "Bytes a tenant's admitted requests may claim, counted with the per-request rule (what a quota "
+            "must cover), against the tenant's configured quota.",
+            [
+                q(sel("kvledger_tenant_reserved_bytes", *te), "{{engine}} {{tenant}} reserved"),
+                q(sel("kvledger_tenant_quota_bytes", *te), "{{engine}} {{tenant}} quota"),
+            ],
+            p.BYTES,
+        ),
+        w=9,
+    )
+    grid.add(
+        p.gauge(
+            "Tenant quota use",
+            "Tenant reserved bytes over the tenant's quota (per-request rule).",
+            [
+                q(
+                    ratio(sel("kvledger_tenant_reserved_bytes", *te), sel("kvledger_tenant_quota_bytes", *te)),
+                    "{{engine}} {{tenant}}",
+                )
+            ],
+            p.RATIO,
+            steps=(("green", None), ("orange", 0.8), ("red", 1.0)),
+        ),
+        w=5,
+    )
+    grid.add(
+        p.stat(
+            "Sum of tenant quotas / capacity",
+            "All tenant quotas of an engine over its KV capacity; above 100% the quotas are oversubscribed.",
+            [
+                q(
+                    ratio(
+                        sum_by("instance, engine", sel("kvledger_tenant_quota_bytes", INSTANCE, ENGINE)),
+                        sum_by("instance, engine", sel("kvledger_kv_capacity_bytes", INSTANCE, ENGINE)),
+                        "on (instance, engine)",
+                    ),
+                    "{{engine}}",
+                )
+            ],
+            p.RATIO,
+            steps=(("green", None), ("orange", 0.9), ("red", 1.0)),
+        ),
+        w=4,
+    )
+    grid.add(
+        p.timeseries(
+            "Tenant requests by state",
+            "A tenant's requests by state.",
+            [q(sel("kvledger_tenant_requests", *te), "{{engine}} {{tenant}} {{state}}")],
+            p.COUNT,
+            axis="requests",
+        ),
+        w=6,
+    )
+
+
+def dashboard() -> g.Dashboard:
+    grid = p.Grid()
+    grid.add(p.policy_table(INSTANCE, ENGINE), w=14, h=5)
+    grid.add(
+        p.table(
+            "Engines",
+            "Engine identity: kind, version and the primary source kvledger reads it from.",
+            [q(sel("kvledger_engine_info", INSTANCE, ENGINE), table=True)],
+            hide=("Time", "__name__", "job"),
+        ),
+        w=10,
+        h=5,
+    )
+    _capacity_row(grid)
+    _headroom_row(grid)
+    _overcommit_row(grid)
+    _sharing_row(grid)
+    _tokens_row(grid)
+    _bounds_row(grid)
+    _tenants_row(grid)
+    return p.dashboard(
+        TITLE,
+        UID,
+        "KV cache accounting per engine under one declared policy: reservations vs physical blocks, quota vs "
+        "physical headroom, overcommit, prefix sharing, token budgets, output bounds and tenant quotas.",
+        grid,
+        [p.instance_variable(), p.engine_variable(), p.pool_variable(), p.tenant_variable()],
+    )

@@ -1,0 +1,82 @@
+"""PromQL building blocks shared by every dashboard.
+
+Metric names are checked against the catalogue (kvledger.catalog) and the recording
+rules written by alerts/ when a query is built, so a dashboard cannot name a metric
+the exporter does not define. Selectors, rate windows and safe ratios are written
+once here.
+"""
+
+from __future__ import annotations
+
+from kvledger.catalog import BY_NAME
+
+# Recording rules (alerts/ defines them; dashboards only read them).
+RECORDING_RULES: frozenset[str] = frozenset(
+    {
+        "kvledger:kv_capacity_bytes:sum",
+        "kvledger:kv_reserved_bytes:sum",
+        "kvledger:kv_allocated_bytes:sum",
+        "kvledger:kv_overcommit:ratio",
+        "kvledger:gpu_memory_unaccounted_bytes:sum",
+        "kvledger:gpu_memory_used_bytes:sum",
+        "kvledger:gpu_memory_total_bytes:sum",
+    }
+)
+
+RATE_INTERVAL = "$__rate_interval"
+
+# Label matchers bound to the dashboard template variables.
+INSTANCE = 'instance=~"$instance"'
+ENGINE = 'engine=~"$engine"'
+POOL = 'pool=~"$pool"'
+GPU = 'gpu=~"$gpu"'
+TENANT = 'tenant=~"$tenant"'
+
+
+def known(name: str) -> str:
+    """Return ``name`` if the catalogue or the recording rules define it, else raise."""
+    if name not in BY_NAME and name not in RECORDING_RULES:
+        raise KeyError(f"metric {name!r} is neither in kvledger.catalog nor a recording rule")
+    return name
+
+
+def sel(name: str, *matchers: str) -> str:
+    """A vector selector: ``name{m1, m2}`` (no braces when there is no matcher)."""
+    known(name)
+    parts = [m for m in matchers if m]
+    return f"{name}{{{', '.join(parts)}}}" if parts else name
+
+
+def rate(selector: str) -> str:
+    return f"rate({selector}[{RATE_INTERVAL}])"
+
+
+def increase(selector: str) -> str:
+    return f"increase({selector}[{RATE_INTERVAL}])"
+
+
+def sum_by(labels: str, expr: str) -> str:
+    return f"sum by ({labels}) ({expr})"
+
+
+def positive(expr: str) -> str:
+    """A denominator that drops zero (and negative) samples: the ratio is absent, not infinite."""
+    return f"({expr} > 0)"
+
+
+def ratio(numerator: str, denominator: str, matching: str = "") -> str:
+    """``numerator / (denominator > 0)`` with an optional vector-matching clause."""
+    if matching.endswith(("group_left", "group_right")):
+        # A parenthesis right after group_left would be read as its label list.
+        matching += " ()"
+    join = f" {matching} " if matching else " "
+    return f"{numerator} /{join}{positive(denominator)}"
+
+
+def zero_when_absent(expr: str, reference: str, labels: str) -> str:
+    """``expr``, or 0 for every ``labels`` set the exporter reports in ``reference``.
+
+    Counters the exporter has never incremented have no series; while the exporter is
+    up and reports the engine/source, "none counted" is a true zero.
+    """
+    return f"({expr}) or on ({labels}) (0 * group by ({labels}) ({reference}))"
