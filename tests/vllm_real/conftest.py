@@ -17,7 +17,7 @@ import pytest
 from .server import VllmServer, ensure_vllm_env, free_tcp_port, make_tiny_model
 
 HERE = Path(__file__).resolve().parent
-_timings: list[tuple[str, float]] = []
+_servers: list[VllmServer] = []
 _logs: list[Path] = []
 
 
@@ -29,10 +29,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if _timings or _logs:
+    if _servers or _logs:
         terminalreporter.section("real vLLM")
-        for what, seconds in _timings:
-            terminalreporter.write_line(f"{what}: {seconds:.1f} s")
+        for server in _servers:
+            starts = ", ".join(f"{s:.1f} s" for s in server.start_history)
+            terminalreporter.write_line(f"server starts (to healthy): {starts}")
         for log in _logs:
             terminalreporter.write_line(f"server log: {log}")
 
@@ -53,7 +54,8 @@ def vllm_server(
         tiny_model_dir, free_tcp_port(), free_tcp_port(), free_tcp_port(), log_path=log
     )
     try:
-        _timings.append(("server start (healthy)", server.start()))
+        _servers.append(server)
+        server.start()
         yield server
     finally:
         server.close()

@@ -129,6 +129,18 @@ def http_post_json(url: str, body: object | None, timeout: float = 300.0) -> tup
         return err.code, err.read().decode(errors="replace")
 
 
+def gauge_sum(metrics_text: str, name: str) -> float:
+    """Sum of the samples called ``name`` in a Prometheus text (KeyError if none)."""
+    found = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics_text.splitlines()
+        if line.startswith((name + "{", name + " "))
+    ]
+    if not found:
+        raise KeyError(f"no sample of {name} in /metrics")
+    return sum(found)
+
+
 @dataclass(frozen=True)
 class CompletionResult:
     index: int
@@ -264,6 +276,7 @@ class VllmServer:
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: object | None = None
         self.last_start_seconds: float | None = None
+        self.start_history: list[float] = []  # seconds to healthy, one per start()
         atexit.register(self.close)
 
     # -- addresses -------------------------------------------------------------
@@ -358,6 +371,7 @@ class VllmServer:
             self.stop()
             raise
         self.last_start_seconds = time.monotonic() - began
+        self.start_history.append(self.last_start_seconds)
         return self.last_start_seconds
 
     def _wait_healthy(self, began: float) -> None:
@@ -437,6 +451,20 @@ class VllmServer:
     # -- requests --------------------------------------------------------------
     def metrics_text(self) -> str:
         return http_get(self.metrics_url)
+
+    def wait_idle(self, timeout: float = 60.0) -> str:
+        """Wait until no request runs or waits; return that /metrics text."""
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.metrics_text()
+            busy = gauge_sum(text, "vllm:num_requests_running") + gauge_sum(
+                text, "vllm:num_requests_waiting"
+            )
+            if busy == 0:
+                return text
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM still has {busy:g} requests after {timeout} s")
+            time.sleep(0.2)
 
     def reset_prefix_cache(self) -> None:
         """POST /reset_prefix_cache (needs VLLM_SERVER_DEV_MODE=1, which start() sets)."""

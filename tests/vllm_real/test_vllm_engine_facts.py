@@ -34,21 +34,6 @@ BURST_MAX_TOKENS = 600
 EVENT_TYPES = {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
 
 
-def wait_idle(server: VllmServer, timeout: float = 60.0) -> str:
-    """Wait until no request runs or waits; return that /metrics text."""
-    deadline = time.monotonic() + timeout
-    while True:
-        text = server.metrics_text()
-        busy = value(text, "vllm:num_requests_running") + value(
-            text, "vllm:num_requests_waiting"
-        )
-        if busy == 0:
-            return text
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"vLLM still has {busy} requests after {timeout} s")
-        time.sleep(0.2)
-
-
 @dataclass
 class BurstRun:
     metrics_before: str
@@ -62,9 +47,9 @@ class BurstRun:
 def burst_run(vllm_server: VllmServer) -> Iterator[BurstRun]:
     with KvEventSubscriber(vllm_server.events_url) as sub:
         time.sleep(0.5)  # let the SUB connection settle (ZMQ drops to unjoined subscribers)
-        before = wait_idle(vllm_server)
+        before = vllm_server.wait_idle()
         burst = vllm_server.burst(requests=BURST_REQUESTS, max_tokens=BURST_MAX_TOKENS)
-        idle = wait_idle(vllm_server)
+        idle = vllm_server.wait_idle()
         live = sub.wait_quiet(quiet=1.0)
         assert not sub.errors(), sub.errors()
         yield BurstRun(before, burst, idle, live, replay(vllm_server.replay_url, 0))
@@ -179,17 +164,17 @@ def test_replay_returns_the_live_batches(vllm_server: VllmServer, burst_run: Bur
 
 
 def test_reset_prefix_cache_emits_all_blocks_cleared(vllm_server: VllmServer) -> None:
-    wait_idle(vllm_server)
-    with KvEventSubscriber(vllm_server.events_url) as sub:
-        time.sleep(0.5)
-        vllm_server.reset_prefix_cache()
-        # AllBlocksCleared is published with the next engine step.
-        assert vllm_server.complete(words(range(3, 3 + 2 * BLOCK_SIZE)), 8).status == 200
-        got = sub.wait_for(
-            lambda bs: any(ev["type"] == "AllBlocksCleared" for ev in iter_events(bs))
-        )
-        kinds = [ev["type"] for ev in iter_events(got)]
-        assert kinds[0] == "AllBlocksCleared"
+    vllm_server.wait_idle()
+    next_seq = replay(vllm_server.replay_url, 0)[-1].seq + 1
+    vllm_server.reset_prefix_cache()
+    # AllBlocksCleared is published with the next engine step: make one.
+    assert vllm_server.complete(words(range(3, 3 + 2 * BLOCK_SIZE)), 8).status == 200
+    deadline = time.monotonic() + 30
+    while not (since := replay(vllm_server.replay_url, next_seq)):
+        assert time.monotonic() < deadline, "no KV event after the reset"
+        time.sleep(0.1)
+    kinds = [ev["type"] for ev in iter_events(since)]
+    assert kinds[0] == "AllBlocksCleared"
     after = cached_hashes(replay(vllm_server.replay_url, 0))
     assert 0 < sum(after.values()) <= 2  # only the new request's full blocks
 
@@ -206,6 +191,6 @@ def test_restart_resets_sequence_and_counters(vllm_server: VllmServer) -> None:
     replayed = replay(vllm_server.replay_url, 0)
     assert replayed[0].seq == 0
     assert len(replayed) < len(before)
-    text = wait_idle(vllm_server)
+    text = vllm_server.wait_idle()
     assert value(text, "vllm:num_preemptions_total") == 0.0
     assert labels_of(text, "vllm:cache_config_info")["num_gpu_blocks"] == str(NUM_GPU_BLOCKS)
