@@ -50,7 +50,6 @@ LEDGER_DASHBOARDS = ("kv-ledger", "fleet")
 DEMO_LACKS = {
     "kvledger_kv_events_total": "the demo's ledger source has no KV event stream",
     "kvledger_kv_events_lost_total": "the demo's ledger source has no KV event stream",
-    "kvledger_network_socket_queue_bytes": "the demo's engines have no serving socket in /proc/net/tcp",
 }
 
 
