@@ -157,3 +157,21 @@ def test_document_without_budgets_takes_them_from_config():
         facts = LedgerSource(dataclasses.replace(config(server.url), tenants=())).poll().facts
     assert facts.budgets.max_model_len == 4096 and facts.budgets.iteration_tokens is None
     assert facts.tenants == [] and facts.admission is None
+
+
+def test_unchanged_document_is_not_parsed_again(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An idle engine serves the same bytes: the source reuses its facts; a change is seen."""
+    import kvledger.sources.ledger as ledger_mod
+    from kvledger.config import EngineConfig
+    from kvledger.ledger_server import serve_http
+
+    doc = {"schema": "kvledger/v1", "pools": [{"id": "0", "block_size": 16, "block_bytes": 1, "num_blocks": 10}], "requests": []}
+    calls = []
+    real = ledger_mod.facts_from_document
+    monkeypatch.setattr(ledger_mod, "facts_from_document", lambda d, n: calls.append(1) or real(d, n))
+    with serve_http(lambda: doc) as server:
+        src = ledger_mod.LedgerSource(EngineConfig(name="e", kind="ledger", url=server.url))
+        first = src.poll()
+        assert src.poll() is first and len(calls) == 1
+        doc["pools"][0]["num_blocks"] = 11
+        assert src.poll().facts.pools[0].num_blocks == 11 and len(calls) == 2
