@@ -117,3 +117,14 @@ def test_releasing_one_request_never_frees_blocks_others_reference(
     # released blocks stay allocated (cached -> reclaimable), nothing vanishes
     before = account(pool, requests, L, "per-request").pools[0].physical
     assert ph.allocated.exact == before.allocated.exact  # type: ignore[union-attr]
+
+
+@settings(max_examples=100, deadline=None)
+@given(ledgers())
+def test_columnar_block_refs_agree_with_objects(case: tuple[PoolFacts, list[RequestFacts], int]) -> None:
+    from kvledger.blockrefs import BlockRefArray
+    from kvledger.policy import physical_from_block_refs
+
+    pool, _, _ = case
+    refs = list(pool.block_refs)  # type: ignore[arg-type]
+    assert physical_from_block_refs(BlockRefArray.from_refs(refs), pool.num_blocks) == physical_from_block_refs(refs, pool.num_blocks)

@@ -7,7 +7,7 @@ Nothing here does I/O; nothing outside this module does accounting arithmetic.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
@@ -153,14 +153,10 @@ class Physical:
     derived: bool = False
 
 
-def _block_ref_columns(refs: BlockRefArray, capacity: int) -> Physical:
-    counts = np.frombuffer(refs.ref_counts, dtype=np.uint64) if len(refs) else np.zeros(0, dtype=np.uint64)
-    cached = np.frombuffer(refs.cached, dtype=np.uint8) if len(refs) else np.zeros(0, dtype=np.uint8)
-    referenced = counts > 0
-    in_use = int(np.count_nonzero(referenced))
-    reclaimable = int(np.count_nonzero(~referenced & (cached != 0)))
-    references = int(counts.sum(dtype=np.uint64))
-    shared = int(np.count_nonzero(counts > 1))
+def exact_physical(
+    in_use: int, reclaimable: int, capacity: int, references: int | None, shared: int | None, derived: bool = False
+) -> Physical:
+    """allocated = in_use + reclaimable; free = C - allocated."""
     allocated = in_use + reclaimable
     return Physical(
         Measure(exact=in_use),
@@ -169,32 +165,27 @@ def _block_ref_columns(refs: BlockRefArray, capacity: int) -> Physical:
         Measure(exact=capacity - allocated),
         references,
         shared,
-        derived=True,
+        derived=derived,
     )
 
 
-def physical_from_block_refs(refs: Iterable[BlockRef], capacity: int) -> Physical:
-    """in_use: refcount > 0; reclaimable: cached with refcount 0; references: sum of
-    refcounts; shared: refcount > 1 (columnar fast path for large ledgers)."""
+def physical_from_block_refs(refs: Sequence[BlockRef], capacity: int) -> Physical:
+    """in_use: blocks with refcount > 0; reclaimable: cached blocks with refcount 0;
+    references: sum of refcounts; shared: blocks with refcount > 1 (numpy columns, so a
+    million-block ledger stays within the accounting budget)."""
     if isinstance(refs, BlockRefArray):
-        return _block_ref_columns(refs, capacity)
-    in_use = reclaimable = references = shared = 0
-    for ref in refs:
-        if ref.ref_count > 0:
-            in_use += 1
-            references += ref.ref_count
-            if ref.ref_count > 1:
-                shared += 1
-        elif ref.cached:
-            reclaimable += 1
-    allocated = in_use + reclaimable
-    return Physical(
-        Measure(exact=in_use),
-        Measure(exact=reclaimable),
-        Measure(exact=allocated),
-        Measure(exact=capacity - allocated),
-        references,
-        shared,
+        counts = np.frombuffer(refs.ref_counts, dtype=np.uint64) if len(refs) else np.zeros(0, dtype=np.uint64)
+        cached = np.frombuffer(refs.cached, dtype=np.uint8) if len(refs) else np.zeros(0, dtype=np.uint8)
+    else:
+        counts = np.fromiter((r.ref_count for r in refs), dtype=np.uint64, count=len(refs))
+        cached = np.fromiter((r.cached for r in refs), dtype=np.uint8, count=len(refs))
+    referenced = counts > 0
+    return exact_physical(
+        in_use=int(np.count_nonzero(referenced)),
+        reclaimable=int(np.count_nonzero(~referenced & (cached != 0))),
+        capacity=capacity,
+        references=int(counts.sum(dtype=np.uint64)),
+        shared=int(np.count_nonzero(counts > 1)),
         derived=True,
     )
 
@@ -211,22 +202,10 @@ def physical_state(pool: PoolFacts) -> Physical:
         return physical_from_block_refs(pool.block_refs, c)
     u = pool.in_use
     if u is not None and pool.reclaimable is not None:
-        allocated = u + pool.reclaimable
-        return Physical(
-            Measure(exact=u),
-            Measure(exact=pool.reclaimable),
-            Measure(exact=allocated),
-            Measure(exact=c - allocated),
-            pool.references,
-            pool.shared,
-        )
+        return exact_physical(u, pool.reclaimable, c, pool.references, pool.shared)
     if u is not None and pool.free is not None:
         # reclaimable = C - U - free
-        rec = c - u - pool.free
-        return Physical(
-            Measure(exact=u), Measure(exact=rec), Measure(exact=u + rec), Measure(exact=pool.free),
-            pool.references, pool.shared,
-        )
+        return exact_physical(u, c - u - pool.free, c, pool.references, pool.shared)
     if u is not None and pool.cached_blocks is not None:
         h = pool.cached_blocks
         unreferenced = max(0, c - u)
