@@ -109,6 +109,10 @@ def test_daemon_exports_the_inventory_and_survives_a_lost_gpu(tmp_path: Path, en
         unaccounted = [v for (name, labels), v in s.items() if name == "kvledger_gpu_memory_unaccounted_bytes" and dict(labels)["gpu"] == "0"]
         assert unaccounted == [35 * GIB - declared]
         assert get(s, "kvledger_gpu_memory_unaccounted_bytes", gpu="5", basis="exact") is None  # no engine there
+        # the budget inequality on GPU 0: total minus every term, reserve included
+        all_terms = sum(v for (name, labels), v in s.items() if name == "kvledger_gpu_budget_bytes" and dict(labels)["gpu"] == "0")
+        assert get(s, "kvledger_gpu_budget_slack_bytes", gpu="0") == 141 * GIB - all_terms
+        assert get(s, "kvledger_gpu_budget_slack_bytes", gpu="5") is None
 
         # GPU 3 is lost mid-run: up=0 and no figures for it; the others keep reporting
         inventory(lost=3).write(inv_path)

@@ -236,6 +236,8 @@ def test_gpu_unaccounted_and_missing_terms() -> None:
     assert by_gpu[0] == Measure(exact=600_000_000 - 565_000_000)
     assert by_gpu[1] == Measure(exact=5_000_000)
     assert by_gpu[2] is None  # no engine on GPU 2: nothing declared, absent
+    # the inequality: 10 GB - (500 + 10 + 5 + 50 + 1000 reserve) MB on GPU 0
+    assert {g.facts.index: g.budget_slack for g in acc.gpus} == {0: 10**10 - 1_565_000_000, 1: 10**10 - 565_000_000, 2: None}
     kv = [t for t in acc.budget if t.category == "kv_pool"]
     assert {(t.gpu, t.bytes) for t in kv} == {(0, 50_000_000), (1, 50_000_000)}
 

@@ -173,6 +173,12 @@ def _budget(a: Accounts) -> Iterator[Sample]:
         yield (str(t.gpu), t.engine, t.category, t.source), float(t.bytes)
 
 
+def _gpu_slack(a: Accounts) -> Iterator[Sample]:
+    for g in a.gpus:
+        if g.budget_slack is not None:
+            yield (str(g.facts.index),), float(g.budget_slack)
+
+
 def _unaccounted(a: Accounts) -> Iterator[Sample]:
     for g in a.gpus:
         if g.unaccounted is not None:
@@ -353,6 +359,10 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("kvledger_gpu_budget_bytes", "gauge", "bytes", "gpu", ("gpu", "engine", "category", "source"),
                "Declared device budget terms: weights, workspace, runtime_buffers, reserve (headroom, not an "
                "allocation) and kv_pool, with where each figure comes from.", _budget),
+    MetricSpec("kvledger_gpu_budget_slack_bytes", "gauge", "bytes", "gpu", ("gpu",),
+               "Device total minus every declared budget term including the reserve: the budget inequality "
+               "weights + workspace + runtime_buffers + reserve + kv_pool <= total holds when >= 0.",
+               _gpu_slack),
     MetricSpec("kvledger_gpu_memory_unaccounted_bytes", "gauge", "bytes", "gpu", ("gpu", "basis"),
                "NVML used minus the allocations the engines on the GPU declared (weights, workspace, runtime "
                "buffers, KV pool).", _unaccounted),

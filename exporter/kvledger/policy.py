@@ -290,6 +290,7 @@ class GpuAccount:
     facts: GpuFacts
     process_bytes: dict[str, int]  # by engine
     unaccounted: Measure | None
+    budget_slack: int | None = None  # total - all budget terms incl. reserve; < 0: the budget does not close
 
 
 @dataclass(slots=True)
@@ -675,6 +676,15 @@ def unaccounted_bytes(gpu: GpuFacts, terms: list[BudgetTerm], engines_on_gpu: se
     return Measure(exact=value) if complete else Measure(upper=value)
 
 
+def budget_slack(gpu: GpuFacts, terms: list[BudgetTerm]) -> int | None:
+    """The device budget inequality: total - (weights + workspace + runtime_buffers +
+    reserve + kv_pool) over the engines on the GPU; negative when it does not close."""
+    mine = [t.bytes for t in terms if t.gpu == gpu.index]
+    if not gpu.up or gpu.total_bytes is None or not mine:
+        return None
+    return gpu.total_bytes - sum(mine)
+
+
 def gpu_accounts(snapshot: Snapshot, terms: list[BudgetTerm]) -> list[GpuAccount]:
     out = []
     for gpu in snapshot.gpus:
@@ -688,7 +698,7 @@ def gpu_accounts(snapshot: Snapshot, terms: list[BudgetTerm]) -> list[GpuAccount
                 if mine and all(b is not None for b in mine):
                     process_bytes[engine.name] = sum(b for b in mine if b is not None)
         on_gpu = {e.name for e in snapshot.engines if gpu.index in e.gpus}
-        out.append(GpuAccount(gpu, process_bytes, unaccounted_bytes(gpu, terms, on_gpu)))
+        out.append(GpuAccount(gpu, process_bytes, unaccounted_bytes(gpu, terms, on_gpu), budget_slack(gpu, terms)))
     return out
 
 
