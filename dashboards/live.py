@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -264,14 +264,18 @@ def all_values(dashboard: dict[str, Any]) -> dict[str, str]:
             if var["type"] == "query"}
 
 
-def concrete_values(prom: Prometheus, dashboard: dict[str, Any]) -> dict[str, str]:
+def concrete_values(
+    prom: Prometheus, dashboard: dict[str, Any], accept: Callable[[dict[str, str]], bool] | None = None
+) -> dict[str, str]:
     """One real value per variable, from label_values in dashboard order, chosen so that every
-    later variable still has values (e.g. an engine that has tenants)."""
+    later variable still has values (e.g. an engine that has tenants) and, with ``accept``,
+    the first such combination ``accept`` takes (e.g. one for which every panel has data:
+    an engine may lack some figures by nature, as a stock vLLM lacks host buffers)."""
     variables = query_variables(dashboard)
 
     def choose(i: int, chosen: dict[str, str]) -> dict[str, str] | None:
         if i == len(variables):
-            return chosen
+            return chosen if accept is None or accept(chosen) else None
         name, selector, label = variables[i]
         for value in prom.label_values(substitute(selector, chosen), label):
             found = choose(i + 1, {**chosen, name: value})

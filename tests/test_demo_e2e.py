@@ -15,11 +15,9 @@ from kvledger.catalog import CATALOG
 
 pytestmark = pytest.mark.e2e
 
-# What the simulator cannot produce: vLLM KV events, and error/violation counters that
-# only move when something is wrong.
+# What the simulator cannot produce: error/violation counters that only move when
+# something is wrong.
 NOT_FROM_SIMULATOR = {
-    "kvledger_kv_events_total",
-    "kvledger_kv_events_lost_total",
     "kvledger_source_errors_total",
     "kvledger_ledger_invariant_violations_total",
 }
@@ -64,11 +62,13 @@ def test_counters_rise(demo_and_prometheus: tuple[Daemon, PrometheusServer]) -> 
 
 def test_invariants_hold_in_prometheus(demo_and_prometheus: tuple[Daemon, PrometheusServer]) -> None:
     _, prom = demo_and_prometheus
-    # the exact block partition sums to capacity
+    # the exact block partition sums to capacity (where all three states are exact)
+    exact = "(count by (engine, pool) (kvledger_kv_blocks) == 3)"
     partition = prom.query(
-        "sum by (engine, pool) (kvledger_kv_blocks) != on (engine, pool) kvledger_kv_capacity_blocks")
+        f"(sum by (engine, pool) (kvledger_kv_blocks) and on (engine, pool) {exact}) "
+        "!= on (engine, pool) kvledger_kv_capacity_blocks")
     assert partition == []
-    assert prom.query("sum by (engine, pool) (kvledger_kv_blocks)")
+    assert len(prom.query(f"sum by (engine, pool) (kvledger_kv_blocks) and on (engine, pool) {exact}")) == 3
     # references >= in_use >= shared
     assert prom.query('kvledger_kv_block_references < on (engine, pool) kvledger_kv_blocks{state="in_use"}') == []
     assert prom.query('kvledger_kv_blocks{state="in_use"} < on (engine, pool) kvledger_kv_shared_blocks') == []
@@ -85,6 +85,23 @@ def test_invariants_hold_in_prometheus(demo_and_prometheus: tuple[Daemon, Promet
     # no invariant violation was ever observed, every source is up
     assert prom.query("kvledger_ledger_invariant_violations_total > 0") == []
     assert prom.query("kvledger_source_up == 0") == []
+
+
+def test_stock_vllm_is_read_with_bounds_and_kv_events(demo_and_prometheus: tuple[Daemon, PrometheusServer]) -> None:
+    """The demo's stock vLLM (kind: vllm, /metrics and KV events only): in use exact,
+    reclaimable and free as bounds, the reservation as an upper bound, events counted."""
+    _, prom = demo_and_prometheus
+    sel = 'engine="sim-stock-vllm"'
+    assert {r["metric"]["state"] for r in prom.query(f"kvledger_kv_blocks{{{sel}}}")} == {"in_use"}
+    for family in ("kvledger_kv_reclaimable_bytes", "kvledger_kv_free_bytes"):
+        bases = {r["metric"]["basis"] for r in prom.query(f"{family}{{{sel}}}")}
+        assert bases == {"lower_bound", "upper_bound"} or bases == {"exact"}, (family, bases)
+    assert {r["metric"]["basis"] for r in prom.query(f"kvledger_kv_reserved_bytes{{{sel}}}")} == {"upper_bound"}
+    assert prom.query(f'kvledger_kv_reclaimable_bytes{{{sel},basis="lower_bound"}} > ignoring (basis) '
+                      f'kvledger_kv_reclaimable_bytes{{{sel},basis="upper_bound"}}') == []
+    assert prom.query(f'kvledger_kv_events_total{{{sel},type="BlockStored"}} > 0')
+    assert prom.query(f"kvledger_kv_events_lost_total{{{sel}}} == 0")
+    assert prom.query(f'kvledger_source_up{{{sel}}} == 1') and not prom.query(f'kvledger_source_up{{{sel}}} == 0')
 
 
 def test_policy_is_declared_on_every_engine(demo_and_prometheus: tuple[Daemon, PrometheusServer]) -> None:

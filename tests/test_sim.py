@@ -119,8 +119,10 @@ def test_sliding_window_holds_at_most_the_window():
 def test_demo_serves_engines_and_gpus(unix):
     profiles = [dataclasses.replace(p, step_seconds=0.01) for p in demo_profiles()]
     with start_demo(seed=3, unix_sockets=unix, profiles=profiles) as demo:
-        assert [c.name for c in demo.engine_configs] == ["sim-vllm", "sim-tgi", "sim-swa"]
-        for cfg in demo.engine_configs:
+        assert [(c.name, c.kind) for c in demo.engine_configs] == [
+            ("sim-vllm", "ledger"), ("sim-tgi", "ledger"), ("sim-swa", "ledger"), ("sim-stock-vllm", "vllm")]
+        assert demo.engine_configs[3].url.startswith("http://127.0.0.1:")  # a stock vLLM serves HTTP
+        for cfg in demo.engine_configs[:3]:
             assert cfg.url.startswith("unix://" if unix else "http://127.0.0.1:")
             facts = LedgerSource(cfg).poll().facts
             assert facts.name == cfg.name and facts.pools[0].num_blocks > 0

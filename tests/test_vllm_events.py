@@ -222,6 +222,22 @@ def test_ledger_restart_midway_without_replay_counts_lost() -> None:
     assert snap.restarts == 1 and snap.lost == 1 and snap.cached_blocks == {0: None}
 
 
+def test_ledger_live_repeats_of_the_initial_replay_are_not_a_restart() -> None:
+    """The SUB socket connects before the initial replay: batches published in between
+    arrive twice (replayed, then live); the live copies are skipped, not read as a restart."""
+    history = [(s, _payload([stored_map([s])])) for s in range(4)]
+    led = KvEventLedger(lambda rank, start: [h for h in history if h[0] >= start])
+    led.start_from_replay(0)
+    led.receive(2, history[2][1])
+    led.receive(3, history[3][1])
+    led.receive(4, _payload([stored_map([4])]))
+    snap = led.snapshot()
+    assert snap.cached_blocks == {0: 5} and snap.restarts == 0 and snap.lost == 0
+    assert snap.events_by_type == {"BlockStored": 5}
+    led.receive(0, _payload([stored_map([9])]))  # after the repeats, seq going back is a restart again
+    assert led.snapshot().restarts == 1
+
+
 def test_ledger_ranks_are_separate_and_rank_defaults_to_zero() -> None:
     led = KvEventLedger()
     led.receive(0, msgpack.packb([1.0, [stored_array([1])]]))  # no dp_rank element

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,11 @@ from kvledger.model import ADMISSIONS, BUDGET_CATEGORIES, LIMIT_KINDS, OUTPUT_BO
 from kvledger.policy import reservation_blocks
 
 SCHEMA_ID = "kvledger/v1"
+
+#: ``listener(event, pool_id, block, key)``: event is "cached" (a block became cached under
+#: ``key``) or "evicted" (a cached block lost its data to reuse or eviction; ``key`` is the
+#: key it was cached under, None when it had none or another block held that key).
+CacheListener = Callable[[str, str, int, "Hashable | None"], None]
 
 
 class LedgerError(Exception):
@@ -69,7 +74,7 @@ class _Pool:
     """Physical blocks of one pool."""
 
     __slots__ = ("spec", "ref", "cached", "hash_of", "by_hash", "free", "lru", "in_use", "references", "shared",
-                 "cached_count", "reported_used")
+                 "cached_count", "reported_used", "listeners")
 
     def __init__(self, spec: PoolSpec) -> None:
         self.spec = spec
@@ -84,6 +89,7 @@ class _Pool:
         self.shared = 0
         self.cached_count = 0
         self.reported_used: float | None = None
+        self.listeners: list[CacheListener] = []
 
     def available(self) -> int:
         return len(self.free) + len(self.lru)
@@ -95,6 +101,8 @@ class _Pool:
             h = self.hash_of.pop(block, None)
             if h is not None and self.by_hash.get(h) == block:
                 del self.by_hash[h]
+            for listener in self.listeners:
+                listener("evicted", self.spec.id, block, h)
 
     def take(self) -> int:
         if self.free:
@@ -137,12 +145,16 @@ class _Pool:
     def mark_cached(self, block: int, key: Hashable | None) -> None:
         if self.ref[block] == 0 and block not in self.lru:
             raise LedgerError(f"pool {self.spec.id!r}: cannot cache free block {block}")
-        if not self.cached[block]:
+        newly = not self.cached[block]
+        if newly:
             self.cached[block] = 1
             self.cached_count += 1
         if key is not None and key not in self.by_hash:
             self.hash_of[block] = key
             self.by_hash[key] = block
+        if newly:
+            for listener in self.listeners:
+                listener("cached", self.spec.id, block, key)
 
     def evict(self, n: int) -> int:
         done = 0
@@ -544,6 +556,15 @@ class Ledger:
         """Evict up to ``n`` reclaimable blocks (least recently used first) to free; returns how many."""
         with self._lock:
             return self._pool(self._default_pool if pool is None else pool).evict(n)
+
+    def add_cache_listener(self, listener: CacheListener) -> None:
+        """Call ``listener(event, pool_id, block, key)`` on every cached/evicted transition
+        (see ``CacheListener``). It runs under the ledger's lock, inside the call that made
+        the transition: it must be quick and must not call back into the ledger from
+        another thread."""
+        with self._lock:
+            for pool in self._pools.values():
+                pool.listeners.append(listener)
 
     # ------------------------------------------------------------ other figures
 

@@ -1,9 +1,13 @@
-"""The demo: simulated engines served as kvledger/v1 ledgers, plus a simulated GPU source.
+"""The demo: simulated engines served as kvledger/v1 ledgers or as a stock vLLM, plus a
+simulated GPU source.
 
-``start_demo()`` starts three engines (each stepping in its own thread, each served by
-``ledger_server`` on 127.0.0.1 with an ephemeral port, or on Unix sockets) and returns
-a ``Demo`` holding the ``EngineConfig`` list that points at them and the
-``SimGpuSource``; a collector built from those exports live, moving numbers.
+``start_demo()`` starts the engines, each stepping in its own thread. A ``served_as="ledger"``
+engine is served by ``ledger_server`` on 127.0.0.1 with an ephemeral port (or on Unix
+sockets) and read with ``kind: ledger``; a ``served_as="vllm"`` engine is served by a
+``VllmFrontend`` (vLLM's /metrics, ZMQ KV events with replay, startup log) and read with
+``kind: vllm``, the way a user with an unmodified vLLM reads it. ``start_demo()`` returns
+a ``Demo`` holding the ``EngineConfig`` list that points at them and the ``SimGpuSource``;
+a collector built from those exports live, moving numbers.
 """
 
 from __future__ import annotations
@@ -18,13 +22,15 @@ from kvledger.ledger import PoolSpec
 from kvledger.ledger_server import LedgerServer, serve_http, serve_unix
 from kvledger.sim.engine import GiB, SimEngine, SimProfile
 from kvledger.sim.gpu import SimGpuSource
+from kvledger.sim.vllm_frontend import VllmFrontend
 
 MiB = 2**20
 
 
 def demo_profiles() -> list[SimProfile]:
     """A vLLM-like dynamic engine with prefix sharing and tenants, a TGI-like reserve-cap
-    engine, and a sliding-window engine split over two GPUs."""
+    engine, a sliding-window engine split over two GPUs (all three with an in-engine
+    ledger), and a stock vLLM read through its /metrics and KV events only."""
     return [
         SimProfile(
             name="sim-vllm",
@@ -78,6 +84,29 @@ def demo_profiles() -> list[SimProfile]:
             gpus=(0, 1),
             weights_bytes=24 * GiB,
         ),
+        SimProfile(
+            name="sim-stock-vllm",
+            engine_kind="vllm",
+            admission="dynamic",
+            overflow="preempt-recompute",
+            # 511 usable blocks; vLLM reports num_gpu_blocks=512 (with its null block), 1 GiB
+            pools=(PoolSpec("0", 16, 2 * MiB, 511),),
+            max_model_len=4096,
+            max_num_seqs=32,
+            max_num_batched_tokens=2048,
+            arrival_rate=5.0,
+            prompt_log_mean=5.0,
+            output_log_mean=4.5,
+            system_prompts=(512, 256, 1024),
+            system_prompt_prob=0.8,
+            parallel_prob=0.05,
+            raise_bound_prob=0.0,
+            gpus=(1,),
+            weights_bytes=15 * GiB,
+            workspace_bytes=3 * GiB // 2,
+            runtime_buffers_bytes=GiB // 2,
+            served_as="vllm",
+        ),
     ]
 
 
@@ -88,12 +117,15 @@ class Demo:
     engines: list[SimEngine]
     servers: list[LedgerServer] = field(default_factory=list)
     socket_dir: str | None = None
+    frontends: list[VllmFrontend] = field(default_factory=list)
 
     def stop(self) -> None:
         for engine in self.engines:
             engine.stop()
         for server in self.servers:
             server.stop()
+        for frontend in self.frontends:
+            frontend.stop()
         if self.socket_dir is not None:
             try:
                 os.rmdir(self.socket_dir)
@@ -128,6 +160,26 @@ def engine_config(engine: SimEngine, url: str) -> EngineConfig:
     )
 
 
+def vllm_engine_config(engine: SimEngine, frontend: VllmFrontend) -> EngineConfig:
+    """The EngineConfig a user would write for a stock vLLM: its /metrics, KV events and log."""
+    p = engine.profile
+    return EngineConfig(
+        name=p.name,
+        kind="vllm",
+        url=frontend.metrics_url,
+        timeout_seconds=2.0,
+        kv_events=frontend.kv_events,
+        kv_events_replay=frontend.kv_events_replay,
+        log_file=frontend.log_file,
+        max_model_len=p.max_model_len,
+        max_num_seqs=p.max_num_seqs,
+        max_num_batched_tokens=p.max_num_batched_tokens,
+        gpus=p.gpus,
+        processes=ProcessMatch(pids=(engine.pid,)) if engine.pid is not None else None,
+        host=HostConfig(port=frontend.port),  # vLLM serves /metrics on its API port
+    )
+
+
 def start_demo(
     *,
     seed: int = 0,
@@ -149,6 +201,7 @@ def start_demo(
     socket_dir = tempfile.mkdtemp(prefix="kvledger-demo-") if unix_sockets else None
     engines: list[SimEngine] = []
     servers: list[LedgerServer] = []
+    frontends: list[VllmFrontend] = []
     configs: list[EngineConfig] = []
     try:
         for i, profile in enumerate(profiles):
@@ -157,6 +210,15 @@ def start_demo(
 
                 profile = replace(profile, step_seconds=step_seconds)
             engine = SimEngine(profile, seed=seed + i, fault=faults.get(profile.name, "none"), pid=4_000_001 + i)
+            if profile.served_as == "vllm":
+                frontend = VllmFrontend(engine)
+                frontends.append(frontend)
+                frontend.start()
+                engines.append(engine.start())
+                configs.append(vllm_engine_config(engine, frontend))
+                continue
+            if profile.served_as != "ledger":
+                raise ValueError(f"{profile.name}: served_as must be ledger or vllm, got {profile.served_as!r}")
             if socket_dir is not None:
                 server = serve_unix(engine.document, os.path.join(socket_dir, f"{profile.name}.sock"))
             else:
@@ -165,6 +227,6 @@ def start_demo(
             engines.append(engine.start())
             configs.append(engine_config(engine, server.url))
     except BaseException:
-        Demo(configs, SimGpuSource(engines, seed=seed), engines, servers, socket_dir).stop()
+        Demo(configs, SimGpuSource(engines, seed=seed), engines, servers, socket_dir, frontends).stop()
         raise
-    return Demo(configs, SimGpuSource(engines, seed=seed), engines, servers, socket_dir)
+    return Demo(configs, SimGpuSource(engines, seed=seed), engines, servers, socket_dir, frontends)

@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 import random
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +74,7 @@ class SimProfile:
     network_queue_limit: int = 256
     include_blocks: bool = True
     leak_sweep_steps: int = 20
+    served_as: str = "ledger"  # "ledger": a kvledger/v1 document; "vllm": stock vLLM's /metrics and KV events
 
 
 @dataclass
@@ -130,6 +133,11 @@ class SimEngine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._step_lock = threading.Lock()
+        # prefix-cache lookups of admitted requests, in tokens (vLLM's prefix_cache_queries/hits)
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+        #: called at the end of every step, under the step lock (the ledger is between steps)
+        self.step_listeners: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------ setup
 
@@ -238,6 +246,14 @@ class SimEngine:
         """One scheduler iteration."""
         with self._step_lock:
             self._step()
+            for listener in self.step_listeners:
+                listener()
+
+    @contextmanager
+    def between_steps(self) -> Iterator[None]:
+        """Hold the engine between two steps (a consistent view of the ledger)."""
+        with self._step_lock:
+            yield
 
     def _step(self) -> None:
         p, rng, ledger = self.profile, self.rng, self.ledger
@@ -296,6 +312,8 @@ class SimEngine:
                 continue
             admitted += 1
             hits = ledger.lookup(req.prefix_hashes, pool=req.pool)
+            self.prefix_queried_tokens += req.prompt_tokens
+            self.prefix_hit_tokens += len(hits) * self._block_size(req.pool)
             if hits:
                 ledger.share(rid, hits)
                 self._advance(rid, len(hits) * self._block_size(req.pool))

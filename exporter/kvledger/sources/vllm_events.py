@@ -216,6 +216,9 @@ class KvEventLedger:
             st.trusted = first == 0
             st.reason = None if first == 0 else f"subscribed mid-stream: replay history starts at seq {first}"
             self._apply_replayed(rank, st, history, count_lost=False)
+            # the SUB socket connected before the replay: its first live batches may repeat
+            # replayed ones (not a restart)
+            st.dup_from, st.dup_upto = first - 1, st.last
 
     # ------------------------------------------------------------ logic
     def _receive(self, seq: int, batch: EventBatch) -> None:
