@@ -83,7 +83,18 @@ def dashboard() -> g.Dashboard:
             [q(sel("kvledger_gpu_memory_unaccounted_bytes", *IG), "gpu {{gpu}} ({{basis}})")],
             p.BYTES,
         ),
-        w=12,
+        w=6,
+    )
+    grid.add(
+        p.timeseries(
+            "Budget slack (device total minus every term)",
+            "The budget inequality weights + workspace + runtime_buffers + reserve + kv_pool <= total, "
+            "evaluated by kvledger: device total minus every declared term including the reserve. Below zero "
+            "the budget does not close.",
+            [q(sel("kvledger_gpu_budget_slack_bytes", *IG), "gpu {{gpu}}")],
+            p.BYTES,
+        ),
+        w=6,
     )
     grid.add(
         p.gauge(
