@@ -141,7 +141,7 @@ def draw_table(ax: Axes, panel: dict[str, Any], rows: list[dict[str, str]]) -> N
     table.scale(1, 1.1)
 
 
-def render(prom: live.Prometheus, dash: dict[str, Any], out: Path, window: float) -> None:
+def render(prom: live.PrometheusServer, dash: dict[str, Any], out: Path, window: float) -> None:
     values = live.all_values(dash)
     panels = list(iter_panels(dash["panels"]))
     height_units = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in panels)
@@ -204,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvledger-previews-") as tmp:
         workdir = Path(tmp)
-        with live.run_demo(workdir) as target, \
-                live.run_prometheus(workdir, [target], live.recording_rule_files(workdir)) as prom:
+        with live.run_live(workdir) as prom:
             print(f"collecting {args.seconds:.0f}s of demo data ...", flush=True)
             time.sleep(args.seconds)
             for name, dash in live.load_dashboards().items():

@@ -18,6 +18,7 @@ binary raises ProcessError so the test fails instead of skipping.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -80,6 +81,16 @@ class PrometheusServer:
         if data["resultType"] != "vector":
             return [{"metric": {}, "value": data["result"]}]
         return list(data["result"])
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
+        """Range query; a list of {"metric": {...}, "values": [[t, "v"], ...]}."""
+        data = self.api("query_range", {"query": expr, "start": str(start), "end": str(end), "step": str(step)})
+        return list(data["result"])
+
+    def label_values(self, selector: str, label: str, lookback: float = 600.0) -> list[str]:
+        """Grafana's ``label_values(selector, label)``: values of ``label`` on matching series."""
+        series = self.api("series", {"match[]": selector, "start": str(time.time() - lookback)})
+        return sorted({s[label] for s in series if label in s})
 
     def query_value(self, expr: str) -> float | None:
         """The single value of an instant query; None when the result is empty;
