@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import msgpack
@@ -268,3 +269,75 @@ def test_offset_endpoint() -> None:
     assert offset_endpoint("tcp://10.0.0.1:5557", 0) == "tcp://10.0.0.1:5557"
     assert offset_endpoint("tcp://10.0.0.1:5557", 2) == "tcp://10.0.0.1:5559"
     assert offset_endpoint("ipc:///tmp/kv", 1) is None
+
+
+# ---------------------------------------------------------------- engine restarts seen by the source
+
+def _ts_payload(events, ts: float) -> bytes:
+    return msgpack.packb([ts, events, 0])
+
+
+def test_ledger_engine_restart_drops_the_old_run_before_any_new_event() -> None:
+    """An idle restarted engine publishes nothing: the old run's count must not survive it."""
+    led = KvEventLedger()
+    for s in range(3):
+        led.receive(s, _ts_payload([stored_array([s])], ts=100.0 + s))
+    assert led.snapshot().cached_blocks == {0: 3}
+    assert led.engine_restarted(200.0) == [0]
+    snap = led.snapshot()
+    assert snap.cached_blocks == {0: None} and snap.restarts == 1 and "engine restarted" in snap.reasons[0]
+    led.receive(0, _ts_payload([stored_array([9])], ts=201.0))  # the new run from its start
+    snap = led.snapshot()
+    assert snap.cached_blocks == {0: 1} and snap.restarts == 1 and snap.lost == 0
+
+
+def test_ledger_engine_restart_already_seen_in_the_sequence_is_kept() -> None:
+    led = KvEventLedger()
+    for s in range(3):
+        led.receive(s, _ts_payload([stored_array([s])], ts=100.0 + s))
+    led.receive(0, _ts_payload([stored_array([7, 8])], ts=201.0))  # seq went back: new run
+    assert led.snapshot().restarts == 1
+    assert led.engine_restarted(200.0) == []
+    assert led.snapshot().cached_blocks == {0: 2} and led.snapshot().restarts == 1
+
+
+def test_ledger_engine_restart_with_nothing_held_changes_nothing() -> None:
+    led = KvEventLedger()
+    assert led.engine_restarted(5.0) == []
+    led.receive(0, _ts_payload([stored_array([1])], ts=1.0))
+    led.receive(1, _ts_payload([removed_array([1])], ts=2.0))
+    assert led.engine_restarted(5.0) == [0]  # an empty multiset, but the old run's seq 1 is held
+    led.receive(0, _ts_payload([stored_array([4])], ts=6.0))
+    assert led.snapshot().cached_blocks == {0: 1} and led.snapshot().lost == 0
+
+
+def test_engine_restart_rebuilds_from_the_new_runs_replay(pair) -> None:
+    pub, sub = pair
+    pub.publish([stored_map([1, 2, 3])])
+    pub.publish([stored_map([4])])
+    received(sub, 2)
+    started = time.time()
+    pub.restart()  # nothing published by the new run yet
+    sub.engine_restarted(started)
+    wait_for(lambda: pub.replay_requests.count(0) == 2, "replay of the new run")
+    wait_for(lambda: sub.snapshot().cached_blocks == {0: 0}, "empty, trusted count of the new run")
+    assert sub.health() == (True, None)
+    pub.publish([stored_map([10])])
+    received(sub, 3)
+    snap = sub.snapshot()
+    assert snap.cached_blocks == {0: 1} and snap.restarts == 1 and snap.lost == 0
+
+
+def test_engine_restart_after_the_new_run_published_replays_it(pair) -> None:
+    pub, sub = pair
+    pub.publish([stored_map([1, 2, 3])])
+    received(sub, 1)
+    started = time.time()
+    pub.restart()
+    pub.publish([stored_map([20])], send=False)  # the new run's seq 0: missed by the SUB socket
+    sub.engine_restarted(started)
+    wait_for(lambda: sub.snapshot().cached_blocks == {0: 1}, "count rebuilt from the new run's replay")
+    pub.publish([stored_map([21])])  # seq 1, live
+    received(sub, 2)
+    snap = sub.snapshot()
+    assert snap.cached_blocks == {0: 2} and snap.restarts == 1 and snap.lost == 0

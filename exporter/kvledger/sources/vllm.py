@@ -5,6 +5,9 @@ maps it with ``vllm_facts_from_metrics`` and merges the secondary sub-sources:
 - KV events: ``pool.cached_blocks`` per DP rank (None while the count cannot be trusted),
   ``kv_events`` by type and ``kv_events_lost``;
 - startup log: measured memory terms per GPU.
+A change of ``process_start_time_seconds`` (the API server's own series) between two
+polls means the engine restarted: the KV-event count of the old run is dropped then, even
+before the new run publishes anything (an idle restarted engine publishes nothing).
 Trouble in a sub-source never fails the poll; ``subsource_health()`` reports it.
 """
 
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import http.client
+import math
+import re
 import socket
 import time
 import urllib.error
@@ -27,6 +32,7 @@ from kvledger.sources.vllm_log import VllmLogReader, memory_terms
 from kvledger.sources.vllm_metrics import vllm_facts_from_metrics
 
 MAX_BODY_BYTES = 32 << 20
+_START_TIME = re.compile(r"^process_start_time_seconds(?:\{\})? (\S+)(?: -?[0-9]+)?$", re.MULTILINE)
 _CHUNK = 1 << 16
 
 SubsourceHealth = tuple[str, bool, "str | None"]
@@ -71,6 +77,18 @@ def fetch_text(url: str, timeout: float, max_bytes: int = MAX_BODY_BYTES) -> str
         raise SourceError("parse", f"GET {url}: body is not UTF-8 (byte {exc.start})") from None
 
 
+def process_start_time(text: str) -> float | None:
+    """The one unlabelled ``process_start_time_seconds`` sample; None if absent, repeated or bad."""
+    found = _START_TIME.findall(text)
+    if len(found) != 1:
+        return None
+    try:
+        value = float(found[0])
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
 class VllmSource(Source):
     kind = "vllm"
 
@@ -85,10 +103,12 @@ class VllmSource(Source):
             self._events.start()
         self._log = VllmLogReader(cfg.log_file) if cfg.log_file else None
         self._log_error: str | None = "not read yet" if cfg.log_file else None
+        self._started_at: float | None = None  # the engine's process_start_time_seconds
 
     def poll(self) -> EngineContribution:
         text = fetch_text(self.cfg.url, self.cfg.timeout_seconds)
         facts = vllm_facts_from_metrics(text, self.cfg, self._load_model_config())
+        self._note_start_time(process_start_time(text))
         facts = self._merge_events(facts)
         facts = self._merge_log(facts)
         return EngineContribution(facts)
@@ -102,6 +122,13 @@ class VllmSource(Source):
             except ModelConfigError as exc:
                 raise SourceError("config", f"engine {self.cfg.name!r}: model.config: {exc}") from None
         return self._model_config
+
+    def _note_start_time(self, started_at: float | None) -> None:
+        if started_at is None:
+            return
+        if self._events is not None and self._started_at is not None and started_at != self._started_at:
+            self._events.engine_restarted(started_at)
+        self._started_at = started_at
 
     def _merge_events(self, facts: EngineFacts) -> EngineFacts:
         if self._events is None:

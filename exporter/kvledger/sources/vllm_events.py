@@ -18,7 +18,12 @@ with its own sequence numbers. Per rank the ledger keeps a Counter of block hash
   cannot fill is counted in ``lost`` and makes the count untrusted;
 - seq going back (below last + 1) -> the server restarted: the multiset is cleared,
   ``restarts`` counted, trusted again from a fresh seq 0;
-- ``AllBlocksCleared`` -> cleared and trusted again.
+- ``AllBlocksCleared`` -> cleared and trusted again;
+- ``engine_restarted(started_at)`` (the source saw the engine's process start time change)
+  -> a multiset still holding batches published before ``started_at`` is dropped: a
+  restarted engine's cache is empty, and an idle one publishes nothing that would reveal
+  the restart through the sequence numbers. The count is rebuilt from the new run's replay
+  (from seq 0) when a replay endpoint is configured, else it waits for the new run's seq 0.
 
 Only GPU-medium events (``medium`` "GPU" or absent) change the multiset; every decoded
 event is counted by type (BlockStored, BlockRemoved, AllBlocksCleared, other).
@@ -155,6 +160,7 @@ class _RankState:
     reason: str | None = "no event received yet"
     dup_from: int = 0  # live seqs in (dup_from, dup_upto] were already applied by a replay
     dup_upto: int | None = None
+    first_ts: float | None = None  # publish time of the first batch applied since the last clear
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +226,28 @@ class KvEventLedger:
             # replayed ones (not a restart)
             st.dup_from, st.dup_upto = first - 1, st.last
 
+    def engine_restarted(self, started_at: float) -> list[int]:
+        """The engine's process (re)started at ``started_at`` (its clock, as batch ``ts``).
+
+        Ranks whose multiset holds batches published before that are cleared and marked
+        unknown until the new run is read from its start; returns those ranks.
+        """
+        cleared = []
+        with self._lock:
+            for rank, st in sorted(self._ranks.items()):
+                if not st.blocks and st.last in (None, -1):
+                    continue  # nothing from the old run is held
+                if st.first_ts is not None and st.first_ts >= started_at:
+                    continue  # the sequence already went back: only the new run is held
+                self.restarts += 1
+                st.blocks.clear()
+                st.first_ts = None
+                st.last, st.dup_upto = None, None
+                self._distrust(st, f"engine restarted (process start {started_at:.2f}): "
+                                   "waiting for its new event stream")
+                cleared.append(rank)
+        return cleared
+
     # ------------------------------------------------------------ logic
     def _receive(self, seq: int, batch: EventBatch) -> None:
         rank = batch.dp_rank
@@ -234,6 +262,7 @@ class KvEventLedger:
             # Sequence went back: the publisher (the engine) restarted with an empty cache.
             self.restarts += 1
             st.blocks.clear()
+            st.first_ts = None
             st.last, st.trusted, st.reason = -1, True, None
         expected = (st.last + 1) if st.last is not None else 0
         if st.last is None and seq == 0:
@@ -293,6 +322,8 @@ class KvEventLedger:
             st.last = s
 
     def _apply(self, st: _RankState, batch: EventBatch) -> None:
+        if st.first_ts is None:
+            st.first_ts = batch.ts
         for ev in batch.events:
             self._types[ev.type if ev.type in KNOWN_TYPES else "other"] += 1
             if ev.medium not in GPU_MEDIA:
@@ -309,6 +340,7 @@ class KvEventLedger:
                         st.blocks.pop(key, None)
             elif ev.type == "AllBlocksCleared":
                 st.blocks.clear()
+                st.first_ts = batch.ts
                 st.trusted, st.reason = True, None
 
     @staticmethod
@@ -369,6 +401,7 @@ class KvEventSubscriber:
         self._ctx = zmq.Context()
         self._stop = threading.Event()
         self._wanted: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._resync: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._ranks: set[int] = set()
         self._dealers: dict[int, zmq.Socket] = {}
         self._sub: zmq.Socket | None = None
@@ -384,6 +417,12 @@ class KvEventSubscriber:
         for r in ranks:
             if r not in self._ranks:
                 self._wanted.put(r)
+
+    def engine_restarted(self, started_at: float) -> None:
+        """Drop counts from before the engine's restart; re-read the new run from its replay."""
+        for rank in self.ledger.engine_restarted(started_at):
+            if self.replay_endpoint:
+                self._resync.put(rank)
 
     def snapshot(self) -> KvEventsSnapshot:
         return self.ledger.snapshot()
@@ -417,6 +456,7 @@ class KvEventSubscriber:
             poller.register(self._sub, zmq.POLLIN)
             while not self._stop.is_set():
                 self._connect_wanted()
+                self._replay_resyncs()
                 if not poller.poll(int(self.poll_interval * 1000)):
                     continue
                 while True:
@@ -451,6 +491,14 @@ class KvEventSubscriber:
             self._ranks.add(rank)
             if self.replay_endpoint:
                 self.ledger.start_from_replay(rank)
+
+    def _replay_resyncs(self) -> None:
+        while True:
+            try:
+                rank = self._resync.get_nowait()
+            except queue.Empty:
+                return
+            self.ledger.start_from_replay(rank)
 
     def _on_frames(self, frames: list[bytes]) -> None:
         try:
