@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from harness.httpjson import get_json
-from harness.process import ManagedProcess, ProcessError, free_port
+from harness.process import ManagedProcess, start_ready, ProcessError, free_port
 
 
 def alertmanager_binary() -> str:
@@ -69,14 +69,9 @@ def start_alertmanager_with_config(workdir: Path, config: dict[str, Any] | str, 
     argv = [binary, f"--config.file={config_path}", f"--storage.path={workdir / 'am-data'}",
             f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=",
             "--log.level=info", *extra_args]
-    proc = ManagedProcess(argv, workdir / "alertmanager.log", cwd=workdir)
-    server = AlertmanagerServer(url=f"http://127.0.0.1:{port}", port=port, config_path=config_path, process=proc)
-    try:
-        proc.wait_http_ok(f"{server.url}/-/ready", timeout=ready_timeout)
-    except BaseException:
-        proc.stop()
-        raise
-    return server
+    url = f"http://127.0.0.1:{port}"
+    proc = start_ready(argv, workdir / "alertmanager.log", f"{url}/-/ready", ready_timeout, cwd=workdir)
+    return AlertmanagerServer(url=url, port=port, config_path=config_path, process=proc)
 
 
 @contextmanager

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.process import ManagedProcess, free_port
+from harness.process import ManagedProcess, free_port, start_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,14 +50,9 @@ def start_daemon(workdir: Path, args: Sequence[str], env: dict[str, str] | None 
     workdir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     argv = [sys.executable, "-m", "kvledger.cli", *args, "--listen", f"127.0.0.1:{port}"]
-    proc = ManagedProcess(argv, workdir / f"kvledger-{port}.log", cwd=workdir, env=_env(env))
-    daemon = Daemon(proc, port)
-    try:
-        proc.wait_http_ok(f"{daemon.url}/-/ready", timeout=ready_timeout)
-    except BaseException:
-        proc.stop()
-        raise
-    return daemon
+    proc = start_ready(argv, workdir / f"kvledger-{port}.log", f"http://127.0.0.1:{port}/-/ready", ready_timeout,
+                       cwd=workdir, env=_env(env))
+    return Daemon(proc, port)
 
 
 @contextmanager

@@ -91,3 +91,15 @@ class ManagedProcess:
                 self.proc.wait(timeout=timeout)
         if not self._log.closed:
             self._log.close()
+
+
+def start_ready(argv: Sequence[str], log_path: Path, ready_url: str, timeout: float = 30.0,
+                cwd: Path | None = None, env: dict[str, str] | None = None) -> ManagedProcess:
+    """Start ``argv`` and return once ``ready_url`` answers 200; stop it if it never does."""
+    proc = ManagedProcess(argv, log_path, cwd=cwd, env=env)
+    try:
+        proc.wait_http_ok(ready_url, timeout=timeout)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc

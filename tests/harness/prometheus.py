@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 
 from harness.httpjson import get_json, wait_until
-from harness.process import ManagedProcess, free_port, require_binary
+from harness.process import ManagedProcess, start_ready, free_port, require_binary
 
 
 class PrometheusAPIError(RuntimeError):
@@ -165,14 +165,9 @@ def start_prometheus_with_config(workdir: Path, config: dict[str, Any], port: in
     argv = [binary, f"--config.file={config_path}", f"--storage.tsdb.path={workdir / 'tsdb'}",
             f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle",
             "--log.level=info", *extra_args]
-    proc = ManagedProcess(argv, workdir / "prometheus.log", cwd=workdir)
-    server = PrometheusServer(url=f"http://127.0.0.1:{port}", port=port, config_path=config_path, process=proc)
-    try:
-        proc.wait_http_ok(f"{server.url}/-/ready", timeout=ready_timeout)
-    except BaseException:
-        proc.stop()
-        raise
-    return server
+    url = f"http://127.0.0.1:{port}"
+    proc = start_ready(argv, workdir / "prometheus.log", f"{url}/-/ready", ready_timeout, cwd=workdir)
+    return PrometheusServer(url=url, port=port, config_path=config_path, process=proc)
 
 
 @contextmanager
