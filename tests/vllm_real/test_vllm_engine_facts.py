@@ -187,7 +187,9 @@ def test_restart_resets_sequence_and_counters(vllm_server: VllmServer) -> None:
         sub.clear()
         assert vllm_server.complete(words(range(3, 3 + 2 * BLOCK_SIZE)), 40).status == 200
         got = sub.wait_for(lambda bs: len(bs) > 0)
-        assert got[0].seq == 0
+        # the live stream went back (the SUB socket may reconnect a batch or two late;
+        # the replay below shows the new run starting at 0)
+        assert got[0].seq < before[-1].seq
     replayed = replay(vllm_server.replay_url, 0)
     assert replayed[0].seq == 0
     assert len(replayed) < len(before)
