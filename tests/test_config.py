@@ -97,3 +97,10 @@ def test_sizes_and_durations() -> None:
     assert parse_duration("500ms") == 0.5 and parse_duration(2) == 2.0 and parse_duration("1m") == 60.0
     with pytest.raises(ValueError):
         parse_duration(0)
+
+
+def test_otlp_and_json_view(tmp_path: Path) -> None:
+    c = load_config(write(tmp_path, "json_view: true\notlp: {endpoint: 'http://127.0.0.1:4318'}\n"))
+    assert c.json_view is True and c.otlp_endpoint == "http://127.0.0.1:4318"
+    with pytest.raises(ConfigError, match="otlp: unknown key"):
+        load_config(write(tmp_path, "otlp: {endpoint: 'http://x:4318', headers: {}}\n"))

@@ -80,6 +80,7 @@ def demo_profiles() -> list[SimProfile]:
             arrival_rate=3.0,
             prompt_log_mean=6.8,
             prompt_log_sigma=0.7,
+            output_log_mean=3.5,  # short answers to long documents: estimates overflow within seconds
             estimate_prob=0.3,
             gpus=(0, 1),
             weights_bytes=24 * GiB,
