@@ -32,7 +32,7 @@ MOVING = [
 ]
 WITHIN = 10.0  # seconds after start by which every family moves
 STARTED = 0.0
-RISING_COUNTERS = ["kvledger_preemptions_total", "kvledger_admission_rechecks_total", "kvledger_reservation_overflows_total"]
+RISING_COUNTERS = ["kvledger_preemptions_total", "kvledger_prefix_cache_queried_tokens_total", "kvledger_prefix_cache_hit_tokens_total", "kvledger_admission_rechecks_total", "kvledger_reservation_overflows_total"]
 
 
 @pytest.fixture(scope="module")

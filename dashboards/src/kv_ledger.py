@@ -154,6 +154,24 @@ def _sharing_row(grid: p.Grid) -> None:
     )
     grid.add(
         p.timeseries(
+            "Prefix cache hit rate",
+            "Share of prompt tokens found in the prefix cache at admission: rate of "
+            "kvledger_prefix_cache_hit_tokens_total over rate of kvledger_prefix_cache_queried_tokens_total.",
+            [
+                q(
+                    ratio(
+                        rate(sel("kvledger_prefix_cache_hit_tokens_total", INSTANCE, ENGINE)),
+                        rate(sel("kvledger_prefix_cache_queried_tokens_total", INSTANCE, ENGINE)),
+                    ),
+                    "{{engine}}",
+                )
+            ],
+            p.RATIO,
+        ),
+        w=6,
+    )
+    grid.add(
+        p.timeseries(
             "Unique blocks: in use and shared",
             "Physical view, every block counted once: unique blocks referenced by at least one request, and "
             "those referenced by more than one (shared prefixes).",

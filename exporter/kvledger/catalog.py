@@ -329,6 +329,11 @@ CATALOG: tuple[MetricSpec, ...] = (
                "Requests whose output exceeded an estimated bound.", _counter("reservation_overflows")),
     MetricSpec("kvledger_admission_rechecks_total", "counter", "", "scheduler", ("engine", "result"),
                "Admission re-checks after a request raised its bound, by result.", _rechecks),
+    MetricSpec("kvledger_prefix_cache_queried_tokens_total", "counter", "tokens", "scheduler", ("engine",),
+               "Prompt tokens looked up in the prefix cache at admission.",
+               _counter("prefix_cache_queried_tokens")),
+    MetricSpec("kvledger_prefix_cache_hit_tokens_total", "counter", "tokens", "scheduler", ("engine",),
+               "Prompt tokens found in the prefix cache (not recomputed).", _counter("prefix_cache_hit_tokens")),
     MetricSpec("kvledger_reservation_leaks_total", "counter", "", "scheduler", ("engine",),
                "Reservations found with no live request.", _counter("reservation_leaks")),
     # Tenants

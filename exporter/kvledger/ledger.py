@@ -235,6 +235,8 @@ class Ledger:
             "admission_rechecks_accepted": 0,
             "admission_rechecks_rejected": 0,
             "reservation_leaks": 0,
+            "prefix_cache_queried_tokens": 0,
+            "prefix_cache_hit_tokens": 0,
         }
 
     # ------------------------------------------------------------ helpers
@@ -426,6 +428,12 @@ class Ledger:
                     break
                 out.append(block)
             return out
+
+    def count_prefix_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
+        """Count a prefix-cache lookup at admission: prompt tokens queried, tokens found cached."""
+        with self._lock:
+            self.counters["prefix_cache_queried_tokens"] += queried_tokens
+            self.counters["prefix_cache_hit_tokens"] += hit_tokens
 
     def share(self, request_id: str, block_ids: Iterable[int]) -> None:
         """Reference existing (in use or reclaimable cached) blocks: ref_count += 1 each."""

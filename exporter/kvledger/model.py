@@ -34,6 +34,8 @@ COUNTER_NAMES: tuple[str, ...] = (
     "admission_rechecks_accepted",
     "admission_rechecks_rejected",
     "reservation_leaks",
+    "prefix_cache_queried_tokens",  # prompt tokens looked up in the prefix cache
+    "prefix_cache_hit_tokens",  # of those, tokens found cached
 )
 
 

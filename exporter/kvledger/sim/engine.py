@@ -314,6 +314,7 @@ class SimEngine:
             hits = ledger.lookup(req.prefix_hashes, pool=req.pool)
             self.prefix_queried_tokens += req.prompt_tokens
             self.prefix_hit_tokens += len(hits) * self._block_size(req.pool)
+            ledger.count_prefix_lookup(req.prompt_tokens, len(hits) * self._block_size(req.pool))
             if hits:
                 ledger.share(rid, hits)
                 self._advance(rid, len(hits) * self._block_size(req.pool))

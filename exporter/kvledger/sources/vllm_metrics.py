@@ -33,6 +33,9 @@ USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # newest firs
 RUNNING = ("vllm:num_requests_running",)
 WAITING = ("vllm:num_requests_waiting",)
 PREEMPTIONS = ("vllm:num_preemptions_total",)
+# tokens; 0.10.2 also has the deprecated vllm:gpu_prefix_cache_* duplicates
+PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
+PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 CACHE_CONFIG = "vllm:cache_config_info"
 RANK_LABEL = "engine"
 PID_LABEL = "pid"
@@ -208,6 +211,10 @@ def vllm_facts_from_metrics(
     preempt = samples(exp, *PREEMPTIONS)
     if preempt:
         counters["preemptions"] = sum(finite(s.value) or 0.0 for s in preempt)
+    for counter, names in (("prefix_cache_queried_tokens", PREFIX_QUERIES), ("prefix_cache_hit_tokens", PREFIX_HITS)):
+        found = samples(exp, *names)
+        if found:
+            counters[counter] = sum(finite(s.value) or 0.0 for s in found)
 
     return EngineFacts(
         name=cfg.name,
