@@ -216,3 +216,46 @@ def test_block_ref_array_behaves_as_a_sequence():
     assert list(a[:1]) == [BlockRef(1, 0, False)]
     assert a == [BlockRef(1, 0, False), BlockRef(2, 3, True)]
     assert len(a) - a.ref_counts.count(0) == 1
+
+
+# The fast path for canonical requests must agree with the checked parser everywhere.
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from kvledger.protocol import ProtocolError, _request_checked, _request_fast  # noqa: E402
+
+_values = st.one_of(st.none(), st.integers(-3, 5000), st.floats(-2, 100, allow_nan=False), st.text(max_size=3),
+                    st.booleans(), st.lists(st.integers(-1, 50), max_size=4))
+_fields = st.fixed_dictionaries(
+    {},
+    optional={k: _values for k in ("id", "state", "prompt_tokens", "max_output_tokens", "output_bound", "pool", "tenant",
+                                   "generated_tokens", "computed_tokens", "contexts", "speculative_slots", "blocks_held",
+                                   "block_ids", "future_field")},
+)
+_valid = st.fixed_dictionaries(
+    {"id": st.text(min_size=1, max_size=4), "state": st.sampled_from(["running", "waiting", "preempted"]),
+     "prompt_tokens": st.integers(0, 9000), "max_output_tokens": st.integers(0, 9000)},
+    optional={"output_bound": st.sampled_from(["cap", "estimate"]), "pool": st.sampled_from(["0", "1"]),
+              "tenant": st.text(max_size=3), "computed_tokens": st.integers(0, 9000), "contexts": st.integers(1, 4),
+              "speculative_slots": st.integers(0, 5), "blocks_held": st.integers(0, 50),
+              "block_ids": st.lists(st.integers(0, 100), max_size=5)},
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(_fields, _valid))
+def test_fast_request_path_agrees_with_checked_parser(raw: dict) -> None:  # type: ignore[type-arg]
+    fast = _request_fast(raw, "0")
+    try:
+        checked = _request_checked(raw, "requests[0]", "0")
+    except ProtocolError:
+        assert fast is None  # anything the checked parser rejects takes the checked path
+        return
+    assert fast is None or fast == checked
+
+
+@settings(max_examples=200, deadline=None)
+@given(_valid)
+def test_canonical_requests_take_the_fast_path(raw: dict) -> None:  # type: ignore[type-arg]
+    fast = _request_fast(raw, "0")
+    assert fast is not None and fast == _request_checked(raw, "requests[0]", "0")

@@ -327,6 +327,16 @@ class RequestColumns:
     running: np.ndarray
     estimate: np.ndarray  # output bound is an estimate
     computed: np.ndarray  # computed tokens
+    contexts: np.ndarray  # n
+    speculative: np.ndarray  # k
+
+    @property
+    def preempted(self) -> np.ndarray:
+        return self.admitted & ~self.running
+
+    @property
+    def waiting(self) -> np.ndarray:
+        return ~self.admitted
 
     @property
     def claimed(self) -> np.ndarray:
@@ -346,6 +356,8 @@ def _column(requests: list[RequestFacts], attr: str) -> np.ndarray:
 def request_columns(requests: list[RequestFacts], pool: PoolFacts, max_model_len: int | None) -> RequestColumns:
     n = len(requests)
     states = [r.state for r in requests]
+    contexts = _column(requests, "contexts")
+    speculative = _column(requests, "speculative_slots")
     return RequestColumns(
         requests=requests,
         reservation=reservation_blocks(
@@ -353,8 +365,8 @@ def request_columns(requests: list[RequestFacts], pool: PoolFacts, max_model_len
             _column(requests, "max_output_tokens"),
             pool.block_size,
             max_model_len=max_model_len,
-            contexts=_column(requests, "contexts"),
-            speculative_slots=_column(requests, "speculative_slots"),
+            contexts=contexts,
+            speculative_slots=speculative,
             sliding_window=pool.sliding_window,
         )
         if n
@@ -364,6 +376,8 @@ def request_columns(requests: list[RequestFacts], pool: PoolFacts, max_model_len
         running=np.fromiter((s == "running" for s in states), dtype=bool, count=n),
         estimate=np.fromiter((r.output_bound == "estimate" for r in requests), dtype=bool, count=n),
         computed=_column(requests, "computed_tokens"),
+        contexts=contexts,
+        speculative=speculative,
     )
 
 
@@ -551,33 +565,36 @@ def _request_invariants(pool: PoolFacts, requests: list[RequestFacts]) -> list[s
 def tenant_accounts(
     engine: EngineFacts, pools: dict[str, PoolFacts], columns: dict[str, RequestColumns]
 ) -> list[TenantAccount]:
-    """Per tenant: the per-request rule (a quota covers what a tenant's requests may claim)."""
-    quotas = {t.name: t.quota_bytes for t in engine.tenants}
-    if not quotas:
+    """Per tenant: the per-request rule (a quota covers what a tenant's requests may claim).
+    Only tenants named in the configuration are exported (bounded cardinality)."""
+    names = [t.name for t in engine.tenants]
+    if not names:
         return []
-    out = {name: TenantAccount(engine.name, name, q) for name, q in quotas.items()}
+    out = [TenantAccount(engine.name, t.name, t.quota_bytes) for t in engine.tenants]
     if engine.requests is None:
-        return list(out.values())
-    byte_sums: dict[str, int | None] = dict.fromkeys(quotas, 0)
-    for acc in out.values():
-        acc.requests = {"running": 0, "waiting": 0, "preempted": 0}
+        return out
+    index = {name: i for i, name in enumerate(names)}
+    k = len(names)
+    blocks = np.zeros(k, dtype=np.int64)
+    byte_sums: list[int | None] = [0] * k
+    counts = {state: np.zeros(k, dtype=np.int64) for state in ("running", "waiting", "preempted")}
     for pool_id, cols in columns.items():
-        pool = pools[pool_id]
-        claimed = cols.claimed
-        for i, req in enumerate(cols.requests):
-            acc = out.get(req.tenant or "")
-            if acc is None:
-                continue  # unnamed tenants are not exported (bounded cardinality)
-            acc.requests[req.state] += 1
-            if not cols.admitted[i]:
-                continue
-            blocks = int(claimed[i])
-            acc.reserved_blocks += blocks
-            current = byte_sums[acc.tenant]
-            byte_sums[acc.tenant] = None if current is None or pool.block_bytes is None else current + blocks * pool.block_bytes
-    for name, acc in out.items():
-        acc.reserved_bytes = byte_sums[name]
-    return list(out.values())
+        tenant = np.fromiter((index.get(r.tenant, -1) for r in cols.requests), dtype=np.int64, count=len(cols.requests))
+        named = tenant >= 0
+        for state, mask in (("running", cols.running), ("waiting", cols.waiting), ("preempted", cols.preempted)):
+            counts[state] += np.bincount(tenant[named & mask], minlength=k)
+        adm = named & cols.admitted
+        pool_blocks = np.bincount(tenant[adm], weights=cols.claimed[adm], minlength=k).astype(np.int64)
+        blocks += pool_blocks
+        block_bytes = pools[pool_id].block_bytes
+        for i in np.nonzero(pool_blocks)[0]:
+            current = byte_sums[i]
+            byte_sums[i] = None if current is None or block_bytes is None else current + int(pool_blocks[i]) * block_bytes
+    for i, acc in enumerate(out):
+        acc.reserved_blocks = int(blocks[i])
+        acc.reserved_bytes = byte_sums[i]
+        acc.requests = {state: int(c[i]) for state, c in counts.items()}
+    return out
 
 
 def engine_account(engine: EngineFacts, sharing: str) -> EngineAccount:
@@ -595,14 +612,18 @@ def engine_account(engine: EngineFacts, sharing: str) -> EngineAccount:
         if by_pool.get(pool.id):
             violations.extend(_request_invariants(pool, by_pool[pool.id]))
     requests: dict[str, int | None]
-    slots = {"speculative": 0, "branch": 0}
+    slots: dict[str, int] = {}
     if engine.requests is not None:
-        requests = {"running": 0, "waiting": 0, "preempted": 0}
-        for req in engine.requests:
-            requests[req.state] = (requests.get(req.state) or 0) + 1
-            if req.state == "running":
-                slots["speculative"] += req.speculative_slots
-                slots["branch"] += max(0, req.contexts - 1)
+        cols = list(columns.values())
+        requests = {
+            "running": sum(int(c.running.sum()) for c in cols),
+            "waiting": sum(int(c.waiting.sum()) for c in cols),
+            "preempted": sum(int(c.preempted.sum()) for c in cols),
+        }
+        slots = {
+            "speculative": sum(int(c.speculative[c.running].sum()) for c in cols),
+            "branch": sum(int(np.maximum(0, c.contexts - 1)[c.running].sum()) for c in cols),
+        }
     else:
         counts = engine.request_counts
         requests = {
@@ -610,7 +631,6 @@ def engine_account(engine: EngineFacts, sharing: str) -> EngineAccount:
             "waiting": counts.waiting if counts else None,
             "preempted": counts.preempted if counts else None,
         }
-        slots = {}
     return EngineAccount(
         facts=engine,
         sharing=sharing,

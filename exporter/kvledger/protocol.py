@@ -256,7 +256,59 @@ def _pool(raw: object, path: str) -> PoolFacts:
     )
 
 
+_OPTIONAL_COUNTS = (("generated_tokens", 0), ("computed_tokens", 0), ("contexts", 1), ("speculative_slots", 0), ("blocks_held", 0))
+_STATES = frozenset(REQUEST_STATES)
+_BOUNDS = frozenset(OUTPUT_BOUNDS)
+
+
+def _request_fast(r: dict[str, Any], default_pool: str) -> RequestFacts | None:
+    """The common, canonical request (every present field of the exact expected type and
+    range) without building field paths; None sends anything else to the checked parser,
+    which accepts the same documents and names the field of any error."""
+    get = r.get
+    rid, state, prompt, output = get("id"), get("state"), get("prompt_tokens"), get("max_output_tokens")
+    if type(rid) is not str or not rid or state not in _STATES:
+        return None
+    if type(prompt) is not int or prompt < 0 or type(output) is not int or output < 0:
+        return None
+    out = RequestFacts(id=rid, state=state, prompt_tokens=prompt, max_output_tokens=output)
+    bound = get("output_bound")
+    if bound is not None:
+        if bound not in _BOUNDS:
+            return None
+        out.output_bound = bound
+    pool = get("pool")
+    if pool is not None and type(pool) is not str:
+        return None
+    out.pool = pool or default_pool
+    tenant = get("tenant")
+    if tenant is not None:
+        if type(tenant) is not str:
+            return None
+        out.tenant = tenant
+    for key, minimum in _OPTIONAL_COUNTS:
+        v = get(key)
+        if v is not None:
+            if type(v) is not int or v < minimum:
+                return None
+            setattr(out, key, v)
+    ids = get("block_ids")
+    if ids is not None:
+        if type(ids) is not list or (ids and (set(map(type, ids)) != {int} or min(ids) < 0)):
+            return None
+        out.block_ids = ids
+        if get("blocks_held") is None:
+            out.blocks_held = len(ids)
+    return out
+
+
 def _request(raw: object, path: str, default_pool: str) -> RequestFacts:
+    if type(raw) is dict and (fast := _request_fast(raw, default_pool)) is not None:
+        return fast
+    return _request_checked(raw, path, default_pool)
+
+
+def _request_checked(raw: object, path: str, default_pool: str) -> RequestFacts:
     r = _obj(raw, path)
     ids = r.get("block_ids")
     out = RequestFacts(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import http.client
-import json
+import orjson
 import socket
 import ssl
 import time
@@ -158,10 +158,8 @@ class LedgerSource(Source):
             # an idle engine serves the same document: its facts are the same
             return self._last[1]
         try:
-            doc = json.loads(body)
-        except UnicodeDecodeError as exc:
-            raise SourceError("parse", f"{self.url}: document is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-        except json.JSONDecodeError as exc:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:  # also invalid UTF-8
             raise SourceError(
                 "parse", f"{self.url}: document is not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
             ) from None
