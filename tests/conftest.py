@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# CI replays the same examples every run (a failure there is reproducible); local runs explore.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 from fake_nvml import ENV_VAR, Inventory, build_library
 

@@ -225,7 +225,8 @@ from hypothesis import strategies as st  # noqa: E402
 from kvledger.protocol import ProtocolError, _request_checked, _request_fast  # noqa: E402
 
 _values = st.one_of(st.none(), st.integers(-3, 5000), st.floats(-2, 100, allow_nan=False), st.text(max_size=3),
-                    st.booleans(), st.lists(st.integers(-1, 50), max_size=4))
+                    st.booleans(), st.lists(st.integers(-1, 50), max_size=4), st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
+                    st.sampled_from(["running", "waiting", "preempted", "cap", "estimate", "0"]))
 _fields = st.fixed_dictionaries(
     {},
     optional={k: _values for k in ("id", "state", "prompt_tokens", "max_output_tokens", "output_bound", "pool", "tenant",
@@ -242,7 +243,7 @@ _valid = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=2000, deadline=None)
 @given(st.one_of(_fields, _valid))
 def test_fast_request_path_agrees_with_checked_parser(raw: dict) -> None:  # type: ignore[type-arg]
     fast = _request_fast(raw, "0")

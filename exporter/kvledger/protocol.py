@@ -267,14 +267,14 @@ def _request_fast(r: dict[str, Any], default_pool: str) -> RequestFacts | None:
     which accepts the same documents and names the field of any error."""
     get = r.get
     rid, state, prompt, output = get("id"), get("state"), get("prompt_tokens"), get("max_output_tokens")
-    if type(rid) is not str or not rid or state not in _STATES:
+    if type(rid) is not str or not rid or type(state) is not str or state not in _STATES:
         return None
     if type(prompt) is not int or prompt < 0 or type(output) is not int or output < 0:
         return None
     out = RequestFacts(id=rid, state=state, prompt_tokens=prompt, max_output_tokens=output)
     bound = get("output_bound")
     if bound is not None:
-        if bound not in _BOUNDS:
+        if type(bound) is not str or bound not in _BOUNDS:
             return None
         out.output_bound = bound
     pool = get("pool")
