@@ -27,23 +27,23 @@ log = logging.getLogger("kvledger.collector")
 
 
 @dataclass
+class _PollOutcome:
+    contribution: Contribution | None
+    error: SourceError | None
+    duration: float
+
+
+@dataclass
 class _Runner:
     source: Source
     timeout: float
     health: SourceHealth
     latest: Contribution | None = None
-    future: Future[Contribution] | None = None
+    future: Future[_PollOutcome] | None = None
     started: float = 0.0
     timed_out: bool = False
     generation: int = 0  # successful polls so far
     message: str | None = None  # the full text of the latest failure
-
-
-@dataclass
-class _PollOutcome:
-    contribution: Contribution | None
-    error: SourceError | None
-    duration: float
 
 
 def _timed_poll(source: Source) -> _PollOutcome:

@@ -36,11 +36,8 @@ class OtlpOutput:
         )
         meter = self.provider.get_meter("kvledger", __version__)
         for spec in CATALOG:
-            kwargs = {"callbacks": [self._callback(spec)], "unit": UNITS.get(spec.unit, "1"), "description": spec.help}
-            if spec.type == "counter":
-                meter.create_observable_counter(spec.name, **kwargs)
-            else:
-                meter.create_observable_gauge(spec.name, **kwargs)
+            create = meter.create_observable_counter if spec.type == "counter" else meter.create_observable_gauge
+            create(spec.name, callbacks=[self._callback(spec)], unit=UNITS.get(spec.unit, "1"), description=spec.help)
 
     def _callback(self, spec: MetricSpec) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def observe(_options: CallbackOptions) -> Iterable[Observation]:

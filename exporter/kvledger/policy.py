@@ -579,7 +579,7 @@ def tenant_accounts(
     byte_sums: list[int | None] = [0] * k
     counts = {state: np.zeros(k, dtype=np.int64) for state in ("running", "waiting", "preempted")}
     for pool_id, cols in columns.items():
-        tenant = np.fromiter((index.get(r.tenant, -1) for r in cols.requests), dtype=np.int64, count=len(cols.requests))
+        tenant = np.fromiter((index.get(r.tenant or "", -1) for r in cols.requests), dtype=np.int64, count=len(cols.requests))
         named = tenant >= 0
         for state, mask in (("running", cols.running), ("waiting", cols.waiting), ("preempted", cols.preempted)):
             counts[state] += np.bincount(tenant[named & mask], minlength=k)
@@ -587,9 +587,9 @@ def tenant_accounts(
         pool_blocks = np.bincount(tenant[adm], weights=cols.claimed[adm], minlength=k).astype(np.int64)
         blocks += pool_blocks
         block_bytes = pools[pool_id].block_bytes
-        for i in np.nonzero(pool_blocks)[0]:
-            current = byte_sums[i]
-            byte_sums[i] = None if current is None or block_bytes is None else current + int(pool_blocks[i]) * block_bytes
+        for t in map(int, np.nonzero(pool_blocks)[0]):
+            current = byte_sums[t]
+            byte_sums[t] = None if current is None or block_bytes is None else current + int(pool_blocks[t]) * block_bytes
     for i, acc in enumerate(out):
         acc.reserved_blocks = int(blocks[i])
         acc.reserved_bytes = byte_sums[i]

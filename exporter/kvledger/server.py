@@ -101,7 +101,8 @@ class KvledgerHTTPServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        name = host.decode() if isinstance(host, bytes) else host
+        return f"http://{name}:{port}"
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.serve_forever, name="kvledger-http", daemon=True)
