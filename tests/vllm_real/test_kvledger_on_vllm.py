@@ -61,8 +61,8 @@ MAX_NUM_SEQS = 128  # vLLM's default for the OpenAI server on CPU
 INTERVAL = 0.2
 SCRAPE_EVERY = 0.1
 BURST_REQUESTS = 8
-BURST_MAX_TOKENS = 600
-PAUSE_EVERY = 0.3  # seconds of engine run time between two pauses (the burst needs about 2 s of it)
+BURST_MAX_TOKENS = 700  # 256 + 32 + 700 <= max_model_len 1024: long enough for several pauses
+PAUSE_EVERY = 0.25  # seconds of engine run time between two pauses (the burst needs about 2 s of it)
 MAX_PAUSES = 8
 
 
@@ -380,7 +380,19 @@ def burst(vllm_server: VllmServer, daemon: Daemon) -> Iterator[BurstRecord]:
         # On two shared cores the running engine leaves the daemon (and vLLM's API server)
         # little CPU: few scrapes succeed while it runs. Pausing it at regular intervals gives
         # exact comparison points whatever the machine's load.
-        next_pause = time.monotonic() + PAUSE_EVERY
+        # The first pause waits until vLLM has scheduled the burst (the requests take a moment
+        # to reach the engine), so at least one frozen point shows it at work.
+        def engine_busy() -> bool:
+            try:
+                state = VllmState.of(vllm_server.metrics_text())
+            except (OSError, AssertionError):  # not answering, or a partial text: not yet
+                return False
+            return state.running > 0 and state.used_blocks > 0
+
+        busy_deadline = time.monotonic() + 60
+        while burst_thread.is_alive() and not engine_busy() and time.monotonic() < busy_deadline:
+            time.sleep(0.05)
+        next_pause = time.monotonic()
         while burst_thread.is_alive() and len(frozen) < MAX_PAUSES:
             if time.monotonic() >= next_pause:
                 frozen.append(capture_frozen(vllm_server, daemon.url))
