@@ -98,6 +98,14 @@ UP_MAPPINGS: list[dict[str, Any]] = [
 ]
 
 
+
+def _common(title: str, text: str, queries: Sequence[Query]) -> dict[str, Any]:
+    """What every panel carries: title, a description naming its metrics, the datasource
+    variable and its queries."""
+    return {"title": title, "description": _describe(text, queries), "dataSource": DATASOURCE,
+            "targets": _targets(queries)}
+
+
 def timeseries(
     title: str,
     text: str,
@@ -126,10 +134,7 @@ def timeseries(
         for pattern in unstacked
     ]
     return g.TimeSeries(
-        title=title,
-        description=_describe(text, queries),
-        dataSource=DATASOURCE,
-        targets=_targets(queries),
+        **_common(title, text, queries),
         unit=unit,
         axisLabel=axis,
         fillOpacity=35 if stack else 10,
@@ -158,10 +163,7 @@ def stat(
     color_mode: str = "value",
 ) -> g.Stat:
     return g.Stat(
-        title=title,
-        description=_describe(text, queries),
-        dataSource=DATASOURCE,
-        targets=_targets(queries),
+        **_common(title, text, queries),
         format=unit,
         thresholds=thresholds(*steps),
         mappings=mappings or [],
@@ -181,10 +183,7 @@ def gauge(
     steps: Sequence[tuple[str, float | None]] = NEUTRAL,
 ) -> g.GaugePanel:
     return g.GaugePanel(
-        title=title,
-        description=_describe(text, queries),
-        dataSource=DATASOURCE,
-        targets=_targets(queries),
+        **_common(title, text, queries),
         format=unit,
         min=0,
         max=max_value,
@@ -207,10 +206,7 @@ def table(
     if hide_value:
         exclude["Value"] = True
     return g.Table(
-        title=title,
-        description=_describe(text, queries),
-        dataSource=DATASOURCE,
-        targets=_targets(queries),
+        **_common(title, text, queries),
         unit=unit,
         transformations=[{"id": "organize", "options": {"excludeByName": exclude}}],
     )
