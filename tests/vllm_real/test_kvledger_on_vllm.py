@@ -6,9 +6,10 @@ One daemon (a real process, interval 0.2 s) watches the session's vLLM server th
 fills the pool, preempts and evicts; the daemon's /metrics is scraped every 0.1 s.
 
 Two pollers never read at the same instant, so the comparisons are made exact this way:
-- frozen points: during the burst the engine-core processes are paused (SIGSTOP). vLLM's
-  API server keeps answering /metrics with gauges that cannot move, so a daemon poll made
-  inside the pause must show exactly vLLM's numbers;
+- frozen points: the engine-core processes run the burst in slices of 0.05 s and are paused
+  (SIGSTOP) in between. vLLM's API server keeps answering /metrics with gauges that cannot
+  move, so a daemon poll made inside a pause must show exactly vLLM's numbers; the engine is
+  paused before the burst is sent, so the points cover the pool filling on any machine;
 - the cached-block multiset: ``kvledger_kv_events_total`` (summed over types) says how many
   events the daemon had applied when it exported a sample; our own copy of the stream
   (SUB + replay from seq 0), cut at that many events, gives the stored-minus-removed count
@@ -62,8 +63,8 @@ INTERVAL = 0.2
 SCRAPE_EVERY = 0.1
 BURST_REQUESTS = 8
 BURST_MAX_TOKENS = 700  # 256 + 32 + 700 <= max_model_len 1024: long enough for several pauses
-PAUSE_EVERY = 0.25  # seconds of engine run time between two pauses (the burst needs about 2 s of it)
-MAX_PAUSES = 8
+SLICE = 0.05  # seconds the engine runs between two frozen points (the burst needs about 1 s of it)
+MAX_PAUSES = 30
 
 
 # ---------------------------------------------------------------- reading /metrics
@@ -244,23 +245,41 @@ def engine_pids(server: VllmServer) -> list[int]:
     return out
 
 
-@contextmanager
-def engine_paused(server: VllmServer) -> Iterator[None]:
-    """SIGSTOP the engine core and its workers; the API server keeps serving /metrics."""
-    pids = engine_pids(server)
-    assert pids, "no engine-core process found in the vLLM server's process group"
-    stopped: list[int] = []
-    try:
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-            stopped.append(pid)
-        yield
-    finally:
-        for pid in stopped:
+class Engine:
+    """The server's engine core and workers, stopped and continued with SIGSTOP/SIGCONT.
+
+    While it is stopped the API server keeps serving /metrics with gauges that cannot move,
+    and requests sent meanwhile wait in the engine's input socket.
+    """
+
+    def __init__(self, server: VllmServer) -> None:
+        self.pids = engine_pids(server)
+        assert self.pids, "no engine-core process found in the vLLM server's process group"
+        self.stopped: list[int] = []
+
+    def stop(self) -> None:
+        for pid in self.pids:
+            if pid not in self.stopped:
+                os.kill(pid, signal.SIGSTOP)
+                self.stopped.append(pid)
+
+    def resume(self) -> None:
+        while self.stopped:
             try:
-                os.kill(pid, signal.SIGCONT)
+                os.kill(self.stopped.pop(), signal.SIGCONT)
             except ProcessLookupError:
                 pass
+
+
+@contextmanager
+def engine_paused(server: VllmServer) -> Iterator[Engine]:
+    """The engine stopped for the body of the ``with``, continued after it whatever happens."""
+    engine = Engine(server)
+    try:
+        engine.stop()
+        yield engine
+    finally:
+        engine.resume()
 
 
 @dataclass(frozen=True)
@@ -271,18 +290,18 @@ class FrozenPoint:
 
 
 def capture_frozen(server: VllmServer, daemon_url: str) -> FrozenPoint:
-    with engine_paused(server):
-        # outputs already on their way to the API server are applied first: wait until still
-        before = VllmState.of(server.metrics_text())
-        for _ in range(20):
-            time.sleep(0.2)
-            stable_since = time.time()
-            now = VllmState.of(server.metrics_text())
-            if now == before:
-                break
-            before = now
-        scrape = wait_for_scrape(daemon_url, polled_after(stable_since), 15, "a vLLM poll inside the pause")
-        after = VllmState.of(server.metrics_text())
+    """vLLM's numbers and a daemon poll made after them; the engine must be stopped."""
+    # outputs already on their way to the API server are applied first: wait until still
+    before = VllmState.of(server.metrics_text())
+    for _ in range(20):
+        time.sleep(0.2)
+        stable_since = time.time()
+        now = VllmState.of(server.metrics_text())
+        if now == before:
+            break
+        before = now
+    scrape = wait_for_scrape(daemon_url, polled_after(stable_since), 15, "a vLLM poll inside the pause")
+    after = VllmState.of(server.metrics_text())
     return FrozenPoint(before, scrape, after)
 
 
@@ -375,29 +394,20 @@ def burst(vllm_server: VllmServer, daemon: Daemon) -> Iterator[BurstRecord]:
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         began = time.monotonic()
-        burst_thread.start()
         frozen: list[FrozenPoint] = []
-        # On two shared cores the running engine leaves the daemon (and vLLM's API server)
-        # little CPU: few scrapes succeed while it runs. Pausing it at regular intervals gives
-        # exact comparison points whatever the machine's load.
-        # The first pause waits until vLLM has scheduled the burst (the requests take a moment
-        # to reach the engine), so at least one frozen point shows it at work.
-        def engine_busy() -> bool:
-            try:
-                state = VllmState.of(vllm_server.metrics_text())
-            except (OSError, AssertionError):  # not answering, or a partial text: not yet
-                return False
-            return state.running > 0 and state.used_blocks > 0
-
-        busy_deadline = time.monotonic() + 60
-        while burst_thread.is_alive() and not engine_busy() and time.monotonic() < busy_deadline:
-            time.sleep(0.05)
-        next_pause = time.monotonic()
-        while burst_thread.is_alive() and len(frozen) < MAX_PAUSES:
-            if time.monotonic() >= next_pause:
+        # The engine runs the burst in slices of SLICE seconds with a frozen point after each:
+        # it is stopped before the requests are sent, so the first points show the pool filling
+        # whatever the machine's speed (a fast engine cannot finish the burst between two
+        # looks), and on two shared cores the daemon gets the CPU it needs to poll. After
+        # MAX_PAUSES points the engine runs freely to the end.
+        with engine_paused(vllm_server) as engine:
+            burst_thread.start()
+            time.sleep(0.5)  # the requests reach the API server and wait for the stopped engine
+            while burst_thread.is_alive() and len(frozen) < MAX_PAUSES:
+                engine.resume()
+                time.sleep(SLICE)
+                engine.stop()
                 frozen.append(capture_frozen(vllm_server, daemon.url))
-                next_pause = time.monotonic() + PAUSE_EVERY
-            time.sleep(0.02)
         burst_thread.join(300)
         burst_thread.join()
         seconds = time.monotonic() - began
