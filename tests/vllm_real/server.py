@@ -363,7 +363,10 @@ class VllmServer:
             stdin=subprocess.DEVNULL,
             env=self.environment(),
             cwd=self._work_dir,
-            start_new_session=True,  # its own process group: stop() ends the engine too
+            # its own process group (stop() ends the engine too) in the test's session: with
+            # Linux's autogroup scheduling a session shares the CPU as one, so only inside it
+            # does a lower priority for the engine give the test the CPU first
+            process_group=0,
         )
         try:
             self._wait_healthy(began)
@@ -403,7 +406,7 @@ class VllmServer:
         """SIGTERM the server's process group, SIGKILL whatever is left after ``grace``."""
         proc = self._proc
         if proc is not None:
-            pgid = proc.pid  # start_new_session: the group id is the leader's pid
+            pgid = proc.pid  # process_group=0: the group id is the leader's pid
             self._signal_group(pgid, signal.SIGTERM)
             try:
                 proc.wait(grace)

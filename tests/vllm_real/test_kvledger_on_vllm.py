@@ -6,7 +6,7 @@ One daemon (a real process, interval 0.2 s) watches the session's vLLM server th
 fills the pool, preempts and evicts; the daemon's /metrics is scraped every 0.1 s.
 
 Two pollers never read at the same instant, so the comparisons are made exact this way:
-- frozen points: the engine-core processes run the burst in slices of 0.05 s and are paused
+- frozen points: the engine-core processes run the burst in slices of 0.1 s and are paused
   (SIGSTOP) in between. vLLM's API server keeps answering /metrics with gauges that cannot
   move, so a daemon poll made inside a pause must show exactly vLLM's numbers; the engine is
   paused before the burst is sent, so the points cover the pool filling on any machine;
@@ -63,11 +63,18 @@ INTERVAL = 0.2
 SCRAPE_EVERY = 0.1
 BURST_REQUESTS = 8
 BURST_MAX_TOKENS = 700  # 256 + 32 + 700 <= max_model_len 1024: long enough for several pauses
-SLICE = 0.05  # seconds the engine runs between two frozen points (the burst needs about 1 s of it)
+SLICE = 0.1  # seconds the engine runs between two frozen points (the burst needs 1-3 s of it)
 MAX_PAUSES = 30
 
 
 # ---------------------------------------------------------------- reading /metrics
+
+
+def fetch_text(url: str, timeout: float = 10.0) -> tuple[str, float]:
+    """The daemon's /metrics text and the wall-clock time the fetch began."""
+    started = time.time()
+    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as resp:
+        return resp.read().decode(), started
 
 
 @dataclass(frozen=True)
@@ -79,10 +86,7 @@ class Scrape:
 
     @classmethod
     def fetch(cls, url: str, timeout: float = 10.0) -> Scrape:
-        started = time.time()
-        with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as resp:
-            text = resp.read().decode()
-        return cls.parse(text, started)
+        return cls.parse(*fetch_text(url, timeout))
 
     @classmethod
     def parse(cls, text: str, started: float = 0.0) -> Scrape:
@@ -346,10 +350,12 @@ class BurstRecord:
     burst: BurstResult
     seconds: float  # how long the burst ran
     missed_scrapes: list[str]  # daemon scrapes that failed during the burst (should be none)
+    slices: list[float]  # how long the engine ran before each frozen point
 
     def summary(self) -> str:
         frozen = [(p.vllm_before.used_blocks, p.vllm_before.running, p.vllm_before.waiting) for p in self.frozen]
-        return (f"burst of {self.seconds:.1f} s: {len(self.samples)} daemon scrapes "
+        longest = max(self.slices, default=0.0)
+        return (f"burst of {self.seconds:.1f} s, engine slices up to {longest:.2f} s: {len(self.samples)} daemon scrapes "
                 f"({len(self.missed_scrapes)} failed: {self.missed_scrapes[:3]}), paused at (blocks, running, "
                 f"waiting) {frozen}, {len(list(iter_events(self.events)))} events, statuses "
                 f"{[r.status for r in self.burst.results]}, preemptions {self.vllm_before.preemptions:g} -> "
@@ -379,14 +385,14 @@ def burst(vllm_server: VllmServer, daemon: Daemon) -> Iterator[BurstRecord]:
                 vllm_server.base_url, requests=BURST_REQUESTS, max_tokens=BURST_MAX_TOKENS, sample_every=None)),
             daemon=True,
         )
-        samples: list[Scrape] = []
+        texts: list[tuple[str, float]] = []
         missed: list[str] = []
         done = threading.Event()
 
         def sample() -> None:
             while not done.is_set():
-                try:
-                    samples.append(Scrape.fetch(daemon.url))
+                try:  # parsed after the burst: the test leaves the CPU to the daemon meanwhile
+                    texts.append(fetch_text(daemon.url))
                 except OSError as exc:  # reported by the tests through the summary
                     missed.append(f"{type(exc).__name__}: {exc}")
                 done.wait(SCRAPE_EVERY)
@@ -395,6 +401,7 @@ def burst(vllm_server: VllmServer, daemon: Daemon) -> Iterator[BurstRecord]:
         sampler.start()
         began = time.monotonic()
         frozen: list[FrozenPoint] = []
+        slices: list[float] = []
         # The engine runs the burst in slices of SLICE seconds with a frozen point after each:
         # it is stopped before the requests are sent, so the first points show the pool filling
         # whatever the machine's speed (a fast engine cannot finish the burst between two
@@ -404,9 +411,11 @@ def burst(vllm_server: VllmServer, daemon: Daemon) -> Iterator[BurstRecord]:
             burst_thread.start()
             time.sleep(0.5)  # the requests reach the API server and wait for the stopped engine
             while burst_thread.is_alive() and len(frozen) < MAX_PAUSES:
+                resumed = time.monotonic()
                 engine.resume()
                 time.sleep(SLICE)
                 engine.stop()
+                slices.append(time.monotonic() - resumed)
                 frozen.append(capture_frozen(vllm_server, daemon.url))
         burst_thread.join(300)
         burst_thread.join()
@@ -414,6 +423,7 @@ def burst(vllm_server: VllmServer, daemon: Daemon) -> Iterator[BurstRecord]:
         done.set()
         sampler.join(15)
         assert "result" in results, "the burst did not return"
+        samples = [Scrape.parse(*t) for t in texts]
         vllm_server.wait_idle()
         events = stream.settle(quiet=1.0)
         n = len(list(iter_events(events)))
@@ -422,7 +432,7 @@ def burst(vllm_server: VllmServer, daemon: Daemon) -> Iterator[BurstRecord]:
                                "an idle poll with every event applied")
         vllm_idle = VllmState.of(vllm_server.metrics_text())
         record = BurstRecord(before, vllm_before, samples, frozen, idle, vllm_idle, events, results["result"],
-                             seconds, missed)
+                             seconds, missed, slices)
         print(record.summary())
         yield record
     finally:
