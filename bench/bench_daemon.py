@@ -34,22 +34,28 @@ def proc_figures(pid: int) -> tuple[float, float]:
     return rss_kb / 1024, (int(fields[11]) + int(fields[12])) / ticks
 
 
+def engine_document(block_refs: bool = False) -> dict:
+    """One engine's kvledger/v1 document at this load: 1,250 requests, 16 tenants."""
+    doc = build(requests=1250, blocks=125_000 if block_refs else 0)
+    if not block_refs:
+        doc["pools"][0].pop("block_refs")
+        doc["pools"][0]["num_blocks"] = 125_000
+        doc["pools"][0]["blocks"] = {"in_use": 100_000, "reclaimable": 10_000, "free": 15_000}
+        doc["pools"][0]["references"] = 110_000
+        for r in doc["requests"]:
+            r.pop("block_ids")
+    doc["tenants"] = [{"name": f"t{t}", "quota_bytes": 10**10} for t in range(16)]
+    return doc
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--block-refs", action="store_true", help="also carry 1,000,000 block refs in one engine's ledger")
     args = ap.parse_args()
     docs = []
-    for e in range(8):
-        doc = build(requests=1250, blocks=125_000 if args.block_refs else 0)
-        if not args.block_refs:
-            doc["pools"][0].pop("block_refs")
-            doc["pools"][0]["num_blocks"] = 125_000
-            doc["pools"][0]["blocks"] = {"in_use": 100_000, "reclaimable": 10_000, "free": 15_000}
-            doc["pools"][0]["references"] = 110_000
-            for r in doc["requests"]:
-                r.pop("block_ids")
-        doc["tenants"] = [{"name": f"t{t}", "quota_bytes": 10**10} for t in range(16)]
+    for _ in range(8):
+        doc = engine_document(args.block_refs)
         variants = []
         for tokens in (7000, 7001):  # a busy engine's document changes at every poll
             doc["budgets"]["iteration_tokens"] = tokens
