@@ -49,12 +49,14 @@ def rich_snapshot() -> Snapshot:
 def exposition() -> str:
     accounts = compute_accounts(rich_snapshot())
     accounts.invariant_totals = {("sim", "partition"): 1}
+    accounts.labels_limited = {("sim", "tenant", "dropped"): 3}
     return render_text(accounts).decode()
 
 
 def test_direct_rendering_equals_prometheus_client() -> None:
     accounts = compute_accounts(rich_snapshot())
     accounts.invariant_totals = {("sim", "partition"): 1}
+    accounts.labels_limited = {("sim", "tenant", "dropped"): 3}
     ours = render_text(accounts).decode()
     theirs = generate_latest(make_registry(lambda: accounts, process_metrics=False)).decode()
 

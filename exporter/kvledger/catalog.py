@@ -242,6 +242,11 @@ def _invariants(a: Accounts) -> Iterator[Sample]:
         yield (engine, check), float(n)
 
 
+def _labels_limited(a: Accounts) -> Iterator[Sample]:
+    for (engine, label, action), n in sorted(a.labels_limited.items()):
+        yield (engine, label, action), float(n)
+
+
 def _build_info(a: Accounts) -> Iterator[Sample]:
     yield (__version__,), 1.0
 
@@ -408,6 +413,9 @@ CATALOG: tuple[MetricSpec, ...] = (
                _engine_value(lambda e: e.facts.kv_events_lost)),
     MetricSpec("kvledger_ledger_invariant_violations_total", "counter", "", "health", ("engine", "check"),
                "Polls whose facts violated an accounting invariant, by check.", _invariants),
+    MetricSpec("kvledger_label_values_limited_total", "counter", "", "health", ("engine", "label", "action"),
+               "Label values from engine data shortened (too long) or dropped (over the per-engine limit), "
+               "counted once per poll that carried them.", _labels_limited),
 )
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in CATALOG}

@@ -34,6 +34,7 @@ def _collector(config: Config, extra: Sequence[Source] = ()) -> Collector:
         sharing=config.sharing,
         interval=config.interval_seconds,
         timeouts=timeouts,
+        limits=config.limits,
     )
 
 

@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+from kvledger.catalog import CATALOG
+from kvledger.config import LimitsConfig
+from kvledger.label_limits import LabelLimitError, limit_labels
 from kvledger.model import EngineFacts, Snapshot, SourceHealth
-from kvledger.policy import Accounts, compute_accounts
-from kvledger.sources.base import Contribution, EngineContribution, Source, SourceError
+from kvledger.policy import Accounts, EngineAccount, budget_terms, engine_account, gpu_accounts
+from kvledger.sources.base import Contribution, EngineContribution, GpuContribution, Source, SourceError
 
 log = logging.getLogger("kvledger.collector")
 
@@ -67,6 +71,7 @@ class Collector:
     timeouts: dict[int, float] = field(default_factory=dict)  # id(source) -> seconds
     default_timeout: float = 2.0
     on_cycle: Callable[[Accounts], None] | None = None
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:
         self._runners = [
@@ -79,7 +84,8 @@ class Collector:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._invariant_totals: dict[tuple[str, str], int] = {}
-        self._counted_generation: dict[str, int] = {}
+        self._counted_generation: dict[int, int] = {}
+        self._limited_totals: dict[tuple[str, str, str], int] = {}
         self._subs: dict[tuple[str, str], SourceHealth] = {}
         self._sub_messages: dict[tuple[str, str], str | None] = {}
         self.cycles = 0
@@ -137,8 +143,9 @@ class Collector:
             self._harvest()
             try:
                 self._account()
-            except Exception:  # the policy must never take the daemon down; keep the last accounts
-                log.exception("accounting failed; keeping the previous accounts")
+            except Exception as exc:  # a bug of ours: never keep serving the old numbers as fresh
+                log.exception("accounting failed; no engine is exported this cycle")
+                self._account_failed(exc)
             next_cycle += self.interval
             delay = next_cycle - time.monotonic()
             if delay < 0:
@@ -211,38 +218,149 @@ class Collector:
         return out
 
     def _account(self) -> Accounts:
+        """Assemble the Snapshot and account it, one engine at a time: an engine whose
+        facts cannot be accounted or rendered is dropped alone, its primary source marked
+        down (``invalid``), and every other engine's numbers stay fresh."""
+        taken_at = time.time()
         snapshot = Snapshot(
             engines=[dataclasses.replace(e) for e in self.base_engines],
-            sharing=self.sharing,  # type: ignore[arg-type]
-            taken_at=time.time(),
-            health=[dataclasses.replace(r.health, errors=dict(r.health.errors)) for r in self._runners] + self._sub_health(),
+            sharing=self.sharing,  # type: ignore[arg-type]  # checked by the config loader
+            taken_at=taken_at,
         )
-        fresh_primaries: set[str] = set()
+        fresh: set[str] = set()  # engines whose primary facts are new this cycle
+        primary: dict[str, _Runner] = {}
         contributions = [(r.latest.order, i, r) for i, r in enumerate(self._runners) if r.latest is not None]
         for _, _, r in sorted(contributions, key=lambda t: (t[0], t[1])):
-            assert r.latest is not None
-            r.latest.apply(snapshot)
-            if isinstance(r.latest, EngineContribution):
-                name = r.latest.facts.name
-                if self._counted_generation.get(f"{id(r)}") != r.generation:
-                    self._counted_generation[f"{id(r)}"] = r.generation
-                    fresh_primaries.add(name)
-        accounts = compute_accounts(snapshot)
-        for engine in accounts.engines:
-            if engine.name in fresh_primaries:
-                for check in engine.invariant_violations:
-                    key = (engine.name, check)
-                    self._invariant_totals[key] = self._invariant_totals.get(key, 0) + 1
+            contribution = r.latest
+            assert contribution is not None
+            try:
+                contribution.apply(snapshot)
+            except Exception as exc:  # a malformed contribution fails its own source alone
+                self._invalid(r, exc)
+                continue
+            if isinstance(contribution, EngineContribution):
+                name = contribution.facts.name
+                primary[name] = r
+                if self._counted_generation.get(id(r)) != r.generation:
+                    self._counted_generation[id(r)] = r.generation
+                    fresh.add(name)
+
+        engines: list[EngineAccount] = []
+        for facts in snapshot.engines:
+            account = self._engine_account(facts, primary.get(facts.name), facts.name in fresh, snapshot)
+            if account is not None:
+                engines.append(account)
+        snapshot.engines = [a.facts for a in engines]
+
+        terms = budget_terms(snapshot.engines)
+        try:
+            gpus = gpu_accounts(snapshot, terms)
+            check_renderable(Accounts([], gpus, terms, snapshot.driver_version, [], self.sharing, taken_at))
+        except Exception as exc:  # GPU facts that cannot be accounted fail the GPU sources alone
+            for r in self._runners:
+                if isinstance(r.latest, GpuContribution):
+                    self._invalid(r, exc)
+            gpus = []
+            snapshot.driver_version = None
+
         totals = dict(self._invariant_totals)
-        for engine in accounts.engines:
+        for engine in engines:
             # counts a source keeps itself (cumulative), e.g. event-stream checks
             for check, n in engine.facts.invariant_violations.items():
                 key = (engine.name, check)
                 totals[key] = totals.get(key, 0) + n
-        accounts.invariant_totals = totals
+        accounts = Accounts(
+            engines=engines,
+            gpus=gpus,
+            budget=terms,
+            driver_version=snapshot.driver_version,
+            health=[dataclasses.replace(r.health, errors=dict(r.health.errors)) for r in self._runners]
+            + self._sub_health(),
+            sharing=self.sharing,
+            taken_at=taken_at,
+            invariant_totals=totals,
+            labels_limited=dict(self._limited_totals),
+        )
         with self._lock:
             self._latest = accounts
             self.cycles += 1
         if self.on_cycle is not None:
             self.on_cycle(accounts)
         return accounts
+
+    def _engine_account(
+        self, facts: EngineFacts, runner: _Runner | None, fresh: bool, snapshot: Snapshot
+    ) -> EngineAccount | None:
+        """The engine's account, or None; facts that cannot be accounted or rendered mark
+        its primary source down and fall back to what the configuration alone says."""
+        try:
+            limited_facts, limited = limit_labels(facts, self.limits)
+            if fresh:
+                self._count_limited(facts.name, limited)
+            account = engine_account(limited_facts, self.sharing)
+            check_renderable(_alone(account, snapshot))
+        except Exception as exc:  # facts the policy or the renderer cannot carry
+            if fresh and isinstance(exc, LabelLimitError):
+                self._count_limited(facts.name, exc.counts)
+            self._invalid(runner, exc, engine=facts.name)
+            base = next((b for b in self.base_engines if b.name == facts.name), None)
+            if runner is None or base is None:
+                return None
+            try:  # like a source that is down: the configured facts only
+                account = engine_account(dataclasses.replace(base), self.sharing)
+                check_renderable(_alone(account, snapshot))
+            except Exception:
+                return None
+            return account
+        if fresh:
+            for check in account.invariant_violations:
+                key = (facts.name, check)
+                self._invariant_totals[key] = self._invariant_totals.get(key, 0) + 1
+        return account
+
+    def _account_failed(self, exc: BaseException) -> None:
+        for r in self._runners:
+            if r.latest is not None:
+                self._mark_down(r, "internal", f"accounting failed: {type(exc).__name__}: {exc}")
+        accounts = Accounts(
+            [], [], [], None, [dataclasses.replace(r.health, errors=dict(r.health.errors)) for r in self._runners],
+            self.sharing, time.time(),
+        )
+        with self._lock:
+            self._latest = accounts
+
+    def _invalid(self, r: _Runner | None, exc: BaseException, engine: str | None = None) -> None:
+        """Mark ``r`` down as ``invalid``: its facts passed the parser but cannot be accounted."""
+        text = str(exc) or type(exc).__name__
+        if len(text) > 300:
+            text = text[:300] + "..."
+        message = f"facts cannot be accounted: {type(exc).__name__}: {text}"
+        if not isinstance(exc, LabelLimitError):
+            log.debug("engine %s: accounting failed", engine or (r.source.engine if r else "-"), exc_info=exc)
+        if r is None:
+            log.warning("engine %s: configured facts cannot be accounted: %s", engine, message)
+            return
+        self._mark_down(r, "invalid", message)
+
+    def _count_limited(self, engine: str, counts: dict[tuple[str, str], int]) -> None:
+        for (label, action), n in counts.items():
+            key = (engine, label, action)
+            self._limited_totals[key] = self._limited_totals.get(key, 0) + n
+
+
+def _alone(account: EngineAccount, snapshot: Snapshot) -> Accounts:
+    """Accounts holding one engine only (and its budget terms), to render it alone."""
+    return Accounts([account], [], budget_terms([account.facts]), None, [], snapshot.sharing, snapshot.taken_at)
+
+
+def check_renderable(accounts: Accounts) -> None:
+    """Raise ValueError unless every catalogue sample of ``accounts`` can be exported: a
+    finite number and label values that are text (UTF-8 encodable, no NUL)."""
+    for spec in CATALOG:
+        for labels, value in spec.samples(accounts):
+            if not math.isfinite(value):
+                raise ValueError(f"{spec.name}: value {value!r} is not finite")
+            for label in labels:
+                if not isinstance(label, str) or "\x00" in label:
+                    raise ValueError(f"{spec.name}: label value {label!r} is not text")
+                label.encode("utf-8")

@@ -21,6 +21,10 @@ ENGINE_KINDS: tuple[str, ...] = ("ledger", "vllm", "sglang", "trtllm", "triton-t
 DEFAULT_LISTEN = "0.0.0.0:9477"
 DEFAULT_INTERVAL = 1.0
 DEFAULT_TIMEOUT = 2.0
+DEFAULT_MAX_RESPONSE_BYTES = 16 << 20
+DEFAULT_MAX_TENANTS = 100
+DEFAULT_MAX_POOLS = 64
+DEFAULT_MAX_LABEL_LENGTH = 128
 
 
 class ConfigError(ValueError):
@@ -95,6 +99,16 @@ class EngineConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     host: HostConfig = field(default_factory=HostConfig)
     tenants: tuple[TenantConfig, ...] = ()
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """Bounds on what engine data may add to the exported series (cardinality)."""
+
+    tenants_per_engine: int = DEFAULT_MAX_TENANTS  # configured tenants always count first
+    pools_per_engine: int = DEFAULT_MAX_POOLS
+    label_value_length: int = DEFAULT_MAX_LABEL_LENGTH
 
 
 @dataclass(frozen=True)
@@ -112,6 +126,7 @@ class Config:
     json_view: bool = False
     otlp_endpoint: str | None = None
     path: str = "<config>"
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
 
 
 # ---------------------------------------------------------------- value parsers
@@ -371,6 +386,7 @@ def _engine(r: _Reader, names: set[str]) -> EngineConfig:
         memory=memory,
         host=host,
         tenants=tuple(tenants),
+        max_response_bytes=r.get("max_response_bytes", _response_limit, DEFAULT_MAX_RESPONSE_BYTES),
     )
     r.finish()
     return out
@@ -395,6 +411,14 @@ def config_from_mapping(data: object, file: str = "<config>") -> Config:
     if (o := top.child("otlp")) is not None:
         otlp = o.require("endpoint", _url)
         o.finish()
+    limits = LimitsConfig()
+    if (lim := top.child("limits")) is not None:
+        limits = LimitsConfig(
+            lim.get("tenants_per_engine", _pos_int, DEFAULT_MAX_TENANTS),
+            lim.get("pools_per_engine", _pos_int, DEFAULT_MAX_POOLS),
+            lim.get("label_value_length", _label_length, DEFAULT_MAX_LABEL_LENGTH),
+        )
+        lim.finish()
     top.seen.add("engines")
     raw_engines = top.data.get("engines") or []
     if not isinstance(raw_engines, list):
@@ -402,7 +426,21 @@ def config_from_mapping(data: object, file: str = "<config>") -> Config:
     names: set[str] = set()
     engines = tuple(_engine(_Reader(file, f"engines[{i}]", raw), names) for i, raw in enumerate(raw_engines))
     top.finish()
-    return Config(listen, interval, sharing, nvml, engines, json_view, otlp, file)
+    return Config(listen, interval, sharing, nvml, engines, json_view, otlp, file, limits)
+
+
+def _response_limit(value: Any) -> int:
+    size = parse_size(value)
+    if not 4096 <= size <= 1 << 30:
+        raise ValueError(f"must be between 4KiB and 1GiB, got {value!r}")
+    return size
+
+
+def _label_length(value: Any) -> int:
+    n = _pos_int(value)
+    if not 16 <= n <= 4096:
+        raise ValueError(f"must be between 16 and 4096 characters, got {value!r}")
+    return n
 
 
 def _bool(value: Any) -> bool:

@@ -304,6 +304,8 @@ class Accounts:
     taken_at: float
     # cumulative observations of violated invariants, kept by the collector
     invariant_totals: dict[tuple[str, str], int] = field(default_factory=dict)
+    # cumulative label values shortened or dropped by the limits, (engine, label, action)
+    labels_limited: dict[tuple[str, str, str], int] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- pool arithmetic

@@ -6,103 +6,24 @@ the whole exchange (connect and every read together). The document is exact; the
 source adds what only the configuration knows (budgets the document lacks, admission
 and overflow overrides, tenant quotas, GPUs, PIDs, memory terms, host limits).
 
-Errors (SourceError reasons): ``connect``, ``timeout``, ``http_status``, ``parse``
-(not JSON), ``schema`` (breaks kvledger/v1; the message names the field path).
+Errors (SourceError reasons): ``connect``, ``timeout``, ``http_status``, ``too_large``
+(the HTTP client's, see ``http_client``), ``parse`` (not JSON), ``schema`` (breaks
+kvledger/v1; the message names the field path).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import http.client
+import hashlib
+
 import orjson
-import socket
-import ssl
-import time
-from urllib.parse import urlsplit
 
 from kvledger.config import EngineConfig
 from kvledger.model import Budgets, EngineFacts, HostFacts, Limit, MemoryTerm, TenantQuota
 from kvledger.protocol import ProtocolError, facts_from_document
+from kvledger.memory import release_freed_memory
 from kvledger.sources.base import EngineContribution, Source, SourceError
-
-MAX_DOCUMENT_BYTES = 512 * 2**20
-
-
-class _UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self._path)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
-
-
-def fetch(url: str, timeout: float) -> bytes:
-    """GET ``url`` within ``timeout`` seconds in total; raises SourceError."""
-    parts = urlsplit(url)
-    deadline = time.monotonic() + timeout
-    if parts.scheme == "unix":
-        path = parts.path or parts.netloc
-        conn: http.client.HTTPConnection = _UnixHTTPConnection(path, timeout)
-        target, where = "/", path
-    elif parts.scheme in ("http", "https"):
-        if not parts.hostname:
-            raise SourceError("connect", f"{url}: no host in URL")
-        cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        kwargs = {"context": ssl.create_default_context()} if parts.scheme == "https" else {}
-        conn = cls(parts.hostname, parts.port, timeout=timeout, **kwargs)  # type: ignore[arg-type]
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        where = url
-    else:
-        raise SourceError("connect", f"{url}: unsupported scheme {parts.scheme!r} (http, https or unix)")
-    try:
-        try:
-            conn.connect()
-        except (TimeoutError, socket.timeout):
-            raise SourceError("timeout", f"{where}: connect timed out after {timeout:g}s") from None
-        except OSError as exc:
-            raise SourceError("connect", f"{where}: cannot connect: {exc.strerror or exc}") from None
-        try:
-            conn.request("GET", target, headers={"Accept": "application/json"})
-            _remaining(conn, deadline, timeout, where)
-            resp = conn.getresponse()
-            if resp.status != 200:
-                raise SourceError("http_status", f"{where}: HTTP {resp.status} {resp.reason}")
-            chunks, size = [], 0
-            while True:
-                _remaining(conn, deadline, timeout, where)
-                chunk = resp.read1(1 << 20)
-                if not chunk:
-                    break
-                size += len(chunk)
-                if size > MAX_DOCUMENT_BYTES:
-                    raise SourceError("parse", f"{where}: document larger than {MAX_DOCUMENT_BYTES} bytes")
-                chunks.append(chunk)
-            return b"".join(chunks)
-        except (TimeoutError, socket.timeout):
-            raise SourceError("timeout", f"{where}: no complete answer within {timeout:g}s") from None
-        except (http.client.HTTPException, ssl.SSLError) as exc:
-            raise SourceError("parse", f"{where}: bad HTTP answer: {exc!r}") from None
-        except OSError as exc:
-            raise SourceError("connect", f"{where}: connection failed: {exc.strerror or exc}") from None
-    finally:
-        conn.close()
-
-
-def _remaining(conn: http.client.HTTPConnection, deadline: float, timeout: float, where: str) -> None:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise SourceError("timeout", f"{where}: no complete answer within {timeout:g}s")
-    if conn.sock is not None:
-        conn.sock.settimeout(left)
-
+from kvledger.sources.http_client import LARGE_BODY, HttpClient
 
 def apply_config(facts: EngineFacts, cfg: EngineConfig) -> EngineFacts:
     """Add what only the configuration knows to a document's facts (a new object)."""
@@ -148,15 +69,31 @@ class LedgerSource(Source):
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
-        self._last: tuple[bytes, EngineContribution] | None = None
+        self._last: tuple[bytes, EngineContribution] | None = None  # (body or its digest, facts)
         self.engine = cfg.name
-        self.url = cfg.url
+        self._http = HttpClient(
+            cfg.url, timeout=cfg.timeout_seconds, max_bytes=cfg.max_response_bytes, accept="application/json"
+        )
+        self.url = self._http.where  # without credentials: safe in messages
 
     def poll(self) -> EngineContribution:
-        body = fetch(self.url, self.cfg.timeout_seconds)
-        if self._last is not None and body == self._last[0]:
-            # an idle engine serves the same document: its facts are the same
+        body = self._http.get()
+        # an idle engine serves the same document: its facts are the same. A large body
+        # is remembered by its digest, so the daemon does not hold a copy between polls.
+        key = body if len(body) < LARGE_BODY else hashlib.blake2b(body, digest_size=32).digest()
+        if self._last is not None and key == self._last[0]:
             return self._last[1]
+        self._last = None
+        try:
+            contribution = self._parse(body)
+        finally:
+            if len(body) >= LARGE_BODY:
+                del body
+                release_freed_memory()
+        self._last = (key, contribution)
+        return contribution
+
+    def _parse(self, body: bytes) -> EngineContribution:
         try:
             doc = orjson.loads(body)
         except orjson.JSONDecodeError as exc:  # also invalid UTF-8
@@ -167,6 +104,8 @@ class LedgerSource(Source):
             facts = facts_from_document(doc, self.cfg.name)
         except ProtocolError as exc:
             raise SourceError("schema", f"{self.url}: not a kvledger/v1 document: {exc}") from None
-        contribution = EngineContribution(apply_config(facts, self.cfg))
-        self._last = (body, contribution)
-        return contribution
+        del doc
+        return EngineContribution(apply_config(facts, self.cfg))
+
+    def close(self) -> None:
+        self._http.abort()

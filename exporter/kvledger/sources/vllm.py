@@ -14,67 +14,29 @@ Trouble in a sub-source never fails the poll; ``subsource_health()`` reports it.
 from __future__ import annotations
 
 import dataclasses
-import http.client
 import math
 import re
-import socket
-import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 from kvledger.config import EngineConfig
 from kvledger.model import EngineFacts
 from kvledger.model_bytes import ModelConfigError, load_model_config
 from kvledger.sources.base import EngineContribution, Source, SourceError
+from kvledger.sources.http_client import HttpClient
 from kvledger.sources.vllm_events import KvEventSubscriber
 from kvledger.sources.vllm_log import VllmLogReader, memory_terms
 from kvledger.sources.vllm_metrics import vllm_facts_from_metrics
 
-MAX_BODY_BYTES = 32 << 20
 _START_TIME = re.compile(r"^process_start_time_seconds(?:\{\})? (\S+)(?: -?[0-9]+)?$", re.MULTILINE)
-_CHUNK = 1 << 16
-
-SubsourceHealth = tuple[str, bool, "str | None"]
 
 
-def fetch_text(url: str, timeout: float, max_bytes: int = MAX_BODY_BYTES) -> str:
-    """GET ``url`` within ``timeout`` seconds in total; SourceError(timeout|connect|http_status|parse)."""
-    deadline = time.monotonic() + timeout
-    request = urllib.request.Request(url, headers={"Accept": "text/plain;version=0.0.4"})
+def fetch_text(client: HttpClient) -> str:
+    """The /metrics text through the bounded client; SourceError(parse) if not UTF-8."""
+    body = client.get()
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            body = bytearray()
-            while True:
-                if time.monotonic() > deadline:
-                    raise SourceError("timeout", f"GET {url}: body not complete within {timeout:g}s")
-                chunk = response.read1(_CHUNK)
-                if not chunk:
-                    break
-                body += chunk
-                if len(body) > max_bytes:
-                    raise SourceError("parse", f"GET {url}: body larger than {max_bytes} bytes")
-    except urllib.error.HTTPError as exc:
-        raise SourceError("http_status", f"GET {url}: HTTP {exc.code} {exc.reason}") from None
-    except urllib.error.URLError as exc:
-        reason = exc.reason
-        if isinstance(reason, (TimeoutError, socket.timeout)):
-            raise SourceError("timeout", f"GET {url}: no answer within {timeout:g}s") from None
-        if isinstance(reason, ConnectionRefusedError):
-            raise SourceError("connect", f"GET {url}: connection refused") from None
-        raise SourceError("connect", f"GET {url}: {reason}") from None
-    except (TimeoutError, socket.timeout):
-        raise SourceError("timeout", f"GET {url}: no answer within {timeout:g}s") from None
-    except ConnectionError as exc:
-        raise SourceError("connect", f"GET {url}: {exc.strerror or exc}") from None
-    except http.client.IncompleteRead as exc:
-        raise SourceError("parse", f"GET {url}: body truncated after {len(exc.partial)} bytes") from None
-    except (http.client.HTTPException, OSError, ValueError) as exc:  # bad status line, reset, bad URL
-        raise SourceError("connect", f"GET {url}: {type(exc).__name__}: {exc}") from None
-    try:
-        return bytes(body).decode("utf-8")
+        return body.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise SourceError("parse", f"GET {url}: body is not UTF-8 (byte {exc.start})") from None
+        raise SourceError("parse", f"{client.where}: body is not UTF-8 (byte {exc.start})") from None
 
 
 def process_start_time(text: str) -> float | None:
@@ -95,6 +57,9 @@ class VllmSource(Source):
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         self.engine = cfg.name
+        self._http = HttpClient(
+            cfg.url, timeout=cfg.timeout_seconds, max_bytes=cfg.max_response_bytes, accept="text/plain;version=0.0.4"
+        )
         self._model_config: dict[str, Any] | None = None
         self._events: KvEventSubscriber | None = None
         self._events_error: str | None = None
@@ -106,7 +71,7 @@ class VllmSource(Source):
         self._started_at: float | None = None  # the engine's process_start_time_seconds
 
     def poll(self) -> EngineContribution:
-        text = fetch_text(self.cfg.url, self.cfg.timeout_seconds)
+        text = fetch_text(self._http)
         facts = vllm_facts_from_metrics(text, self.cfg, self._load_model_config())
         self._note_start_time(process_start_time(text))
         facts = self._merge_events(facts)
@@ -165,6 +130,7 @@ class VllmSource(Source):
         return out
 
     def close(self) -> None:
+        self._http.abort()
         if self._events is not None:
             self._events.close()
             self._events = None

@@ -1,0 +1,138 @@
+"""The one HTTP client of the sources: an absolute deadline (slow headers included), a body
+limit enforced while streaming, no redirects, no credentials or answer text in messages."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from harness.hostile import HostileEngine
+from kvledger.ledger_server import serve_unix
+from kvledger.sources.base import SourceError
+from kvledger.sources.http_client import HttpClient, redact_url
+
+
+@pytest.fixture
+def engine() -> Iterator[HostileEngine]:
+    server = HostileEngine(b'{"ok": true}')
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def fail(client: HttpClient) -> SourceError:
+    with pytest.raises(SourceError) as info:
+        client.get()
+    return info.value
+
+
+def test_document_is_fetched(engine: HostileEngine) -> None:
+    assert HttpClient(engine.url, timeout=2).get() == b'{"ok": true}'
+
+
+def test_slow_headers_end_at_the_deadline(engine: HostileEngine) -> None:
+    engine.mode = "slow_headers"
+    engine.drip_seconds = 0.05  # each byte well inside the per-read timeout
+    start = time.monotonic()
+    err = fail(HttpClient(engine.url, timeout=0.5))
+    elapsed = time.monotonic() - start
+    assert err.reason == "timeout"
+    assert "within 0.5s" in err.message
+    # 200+ header bytes at 0.05 s would take over 10 s: the deadline, not the drip, ended it
+    assert elapsed < 5
+
+
+def test_endless_body_is_too_large(engine: HostileEngine) -> None:
+    engine.mode = "endless"
+    err = fail(HttpClient(engine.url, timeout=10, max_bytes=4 << 20))
+    assert err.reason == "too_large"
+    assert str(4 << 20) in err.message
+
+
+def test_declared_length_over_the_limit_is_refused_before_reading(engine: HostileEngine) -> None:
+    engine.mode = "huge_length"
+    err = fail(HttpClient(engine.url, timeout=2, max_bytes=1 << 20))
+    assert err.reason == "too_large"
+    assert "10737418240" in err.message
+
+
+def test_redirect_is_not_followed_and_not_quoted(engine: HostileEngine) -> None:
+    engine.mode = "redirect"
+    engine.location = "http://127.0.0.1:1/private-target"
+    err = fail(HttpClient(engine.url, timeout=2))
+    assert err.reason == "http_status"
+    assert "302" in err.message and "not followed" in err.message
+    assert "private-target" not in err.message
+    assert engine.requests == 1
+
+
+def test_credentials_are_sent_and_never_shown(engine: HostileEngine) -> None:
+    url = engine.url.replace("http://", "http://scraper:s3cret@")
+    client = HttpClient(url, timeout=2)
+    assert "s3cret" not in client.where and "scraper" in client.where
+    engine.mode = "redirect"
+    err = fail(client)
+    assert "s3cret" not in err.message
+    assert redact_url("https://u:p@h:1/x?y=1") == "https://u:***@h:1/x?y=1"
+    assert redact_url("http://h/x") == "http://h/x"
+
+
+def test_connection_refused_and_bad_urls() -> None:
+    assert fail(HttpClient("http://127.0.0.1:1/x", timeout=1)).reason == "connect"
+    with pytest.raises(SourceError, match="unix:///absolute/path"):
+        HttpClient("unix://etc/passwd", timeout=1)
+    with pytest.raises(SourceError, match="unsupported scheme"):
+        HttpClient("ftp://h/x", timeout=1)
+
+
+def test_unix_socket(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    server = serve_unix(lambda: {"schema": "kvledger/v1"}, str(tmp_path / "l.sock"))
+    try:
+        assert b"kvledger/v1" in HttpClient(f"unix://{tmp_path / 'l.sock'}", timeout=2).get()
+    finally:
+        server.stop()
+
+
+def test_truncated_body_is_a_parse_error(engine: HostileEngine) -> None:
+    engine.body = b"x" * 10
+    engine.mode = "document"
+    # a server that promises more than it sends: served by hand
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        conn.recv(4096)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort")
+        conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    err = fail(HttpClient(f"http://127.0.0.1:{listener.getsockname()[1]}/", timeout=2))
+    listener.close()
+    assert err.reason == "parse" and "truncated" in err.message
+
+
+def test_abort_ends_an_exchange_in_progress(engine: HostileEngine) -> None:
+    engine.mode = "slow_headers"
+    client = HttpClient(engine.url, timeout=30)
+    errors: list[SourceError] = []
+
+    def run() -> None:
+        try:
+            client.get()
+        except SourceError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.5)
+    client.abort()
+    t.join(timeout=5)
+    assert not t.is_alive()
+    assert errors and errors[0].reason in ("connect", "parse")
