@@ -1,0 +1,200 @@
+"""`kvledger serve` as a process beside a hostile or broken engine and a healthy one:
+poisoned documents fail the poisoned engine alone while the healthy one keeps moving; an
+endless body leaves the daemon's memory bounded and back near its baseline afterwards;
+headers dripped a byte at a time mark the source down within its timeout and do not
+delay SIGTERM."""
+
+from __future__ import annotations
+
+import copy
+import json
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.hostile import HostileEngine
+from harness.kvledger_daemon import Daemon, run_serve
+from kvledger.ledger_server import LedgerServer, serve_http
+from kvledger.sim.demo import demo_profiles
+from kvledger.sim.engine import SimEngine
+from test_serve_e2e import scrape, value
+
+pytestmark = pytest.mark.e2e
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@pytest.fixture
+def engines() -> Iterator[tuple[LedgerServer, HostileEngine, SimEngine]]:
+    sim = SimEngine(demo_profiles()[0], seed=3).start()
+    good = serve_http(sim.document)
+    hostile = HostileEngine(json.dumps(sim.document()).encode())
+    try:
+        yield good, hostile, sim
+    finally:
+        for x in (good, hostile, sim):
+            x.stop()
+
+
+def config(tmp_path: Path, good: LedgerServer, hostile: HostileEngine, extra: str = "") -> Path:
+    cfg = tmp_path / "kvledger.yml"
+    cfg.write_text(f"""
+interval_seconds: 0.25
+nvml: {{enabled: false}}
+engines:
+  - {{name: good, kind: ledger, url: "{good.url}", timeout_seconds: 1}}
+  - {{name: hostile, kind: ledger, url: "{hostile.url}", timeout_seconds: 1{extra}}}
+""")
+    return cfg
+
+
+def until(daemon: Daemon, what: str, predicate: Callable[[Samples], bool], timeout: float = 15.0) -> Samples:
+    deadline = time.monotonic() + timeout
+    while True:
+        samples, _ = scrape(daemon)
+        if predicate(samples):
+            return samples
+        if time.monotonic() > deadline:
+            shown = "\n".join(f"{k} {v}" for k, v in samples.items() if "source" in k[0])
+            raise AssertionError(f"{what}: not reached; last scrape:\n{shown}")
+        time.sleep(0.1)
+
+
+def up(s: Samples, engine: str) -> float | None:
+    return value(s, "kvledger_source_up", engine=engine, source="ledger")
+
+
+def errors(s: Samples, engine: str, reason: str) -> float:
+    return value(s, "kvledger_source_errors_total", engine=engine, source="ledger", reason=reason) or 0.0
+
+
+def good_success(s: Samples) -> float:
+    return value(s, "kvledger_source_last_success_timestamp_seconds", engine="good", source="ledger") or 0.0
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _poison(doc: dict[str, Any], path: str, new: Any) -> bytes:
+    d = copy.deepcopy(doc)
+    *parents, last = path.split(".")
+    node: Any = d
+    for p in parents:
+        node = node[int(p)] if p.isdigit() else node.setdefault(p, {})
+    node[int(last) if last.isdigit() else last] = new
+    return json.dumps(d).encode()
+
+
+def test_poisoned_documents_fail_the_poisoned_engine_alone(
+    tmp_path: Path, engines: tuple[LedgerServer, HostileEngine, SimEngine]
+) -> None:
+    good, hostile, sim = engines
+    deadline = time.monotonic() + 10
+    while not (doc := sim.document())["requests"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert doc["requests"], "the simulated engine has requests in flight"
+    poisons = {
+        "prompt_tokens 2^63": _poison(doc, "requests.0.prompt_tokens", 2**63),
+        "max_model_len 0": _poison(doc, "budgets.max_model_len", 0),
+        "block_bytes 1e308": _poison(doc, "pools.0.block_bytes", 1e308),
+        "counter -5": _poison(doc, "counters.preemptions", -5),
+        "num_blocks 1e999": json.dumps(doc).replace(f'"num_blocks": {doc["pools"][0]["num_blocks"]}', '"num_blocks": 1e999', 1).encode(),
+    }
+    with run_serve(tmp_path, config(tmp_path, good, hostile)) as daemon:
+        until(daemon, "both up", lambda s: up(s, "good") == 1 and up(s, "hostile") == 1)
+        for name, body in poisons.items():
+            samples, _ = scrape(daemon)
+            before = good_success(samples)
+            rejected = sum(errors(samples, "hostile", r) for r in ("schema", "parse", "invalid"))
+            hostile.body = body
+            samples = until(daemon, f"{name}: hostile down",
+                            lambda s: up(s, "hostile") == 0
+                            and sum(errors(s, "hostile", r) for r in ("schema", "parse", "invalid")) > rejected)
+            # its pool series are gone; the healthy engine is fresh and complete
+            assert value(samples, "kvledger_kv_capacity_blocks", engine="hostile", pool="0") is None, name
+            samples = until(daemon, f"{name}: good keeps moving", lambda s: good_success(s) > before + 0.5)
+            assert up(samples, "good") == 1
+            assert value(samples, "kvledger_kv_capacity_blocks", engine="good", pool="0") == doc["pools"][0]["num_blocks"]
+            hostile.body = json.dumps(sim.document()).encode()
+            until(daemon, f"{name}: hostile recovers", lambda s: up(s, "hostile") == 1)
+
+
+def test_cardinality_from_engine_data_is_bounded(
+    tmp_path: Path, engines: tuple[LedgerServer, HostileEngine, SimEngine]
+) -> None:
+    good, hostile, sim = engines
+    doc = sim.document()
+    doc["tenants"] = [{"name": f"tenant-{i}", "quota_bytes": 1 << 30} for i in range(100_000)]
+    doc["engine"] = {"kind": "ledger", "version": "v" * (1 << 20)}
+    hostile.body = json.dumps(doc).encode()
+    with run_serve(tmp_path, config(tmp_path, good, hostile)) as daemon:
+        samples = until(daemon, "hostile up", lambda s: up(s, "hostile") == 1 and up(s, "good") == 1)
+        tenants = {dict(k[1])["tenant"] for k in samples if k[0] == "kvledger_tenant_quota_bytes"
+                   and dict(k[1])["engine"] == "hostile"}
+        assert len(tenants) == 100  # limits.tenants_per_engine
+        dropped = value(samples, "kvledger_label_values_limited_total", engine="hostile", label="tenant", action="dropped")
+        assert dropped is not None and dropped >= 99_900
+        versions = [dict(k[1])["version"] for k in samples if k[0] == "kvledger_engine_info"
+                    and dict(k[1])["engine"] == "hostile"]
+        assert len(versions) == 1 and len(versions[0]) == 128
+        assert len(samples) < 5000
+
+
+def test_endless_body_keeps_memory_bounded(
+    tmp_path: Path, engines: tuple[LedgerServer, HostileEngine, SimEngine]
+) -> None:
+    good, hostile, sim = engines
+    with run_serve(tmp_path, config(tmp_path, good, hostile, ", max_response_bytes: 8MiB")) as daemon:
+        until(daemon, "both up", lambda s: up(s, "hostile") == 1)
+        pid = daemon.process.pid
+        time.sleep(1.0)
+        baseline = rss_bytes(pid)
+        hostile.mode = "endless"
+        until(daemon, "too_large", lambda s: errors(s, "hostile", "too_large") >= 3)
+        peak = baseline
+        end = time.monotonic() + 4
+        while time.monotonic() < end:  # 16 polls of an endless body
+            peak = max(peak, rss_bytes(pid))
+            time.sleep(0.05)
+        samples, _ = scrape(daemon)
+        assert up(samples, "good") == 1
+        hostile.mode = "document"
+        hostile.body = json.dumps(sim.document()).encode()
+        until(daemon, "recovered", lambda s: up(s, "hostile") == 1)
+        time.sleep(1.0)
+        after = rss_bytes(pid)
+        mib = 1 << 20
+        # the limit is 8 MiB: a fetch holds at most the limit, and the memory comes back
+        assert peak - baseline < 48 * mib, f"peak {peak / mib:.0f} MiB over a baseline of {baseline / mib:.0f} MiB"
+        assert after - baseline < 16 * mib, f"after {after / mib:.0f} MiB, baseline {baseline / mib:.0f} MiB"
+
+
+def test_slow_headers_are_down_within_the_timeout_and_sigterm_is_prompt(
+    tmp_path: Path, engines: tuple[LedgerServer, HostileEngine, SimEngine]
+) -> None:
+    good, hostile, _ = engines
+    hostile.drip_seconds = 0.2  # every byte far inside a per-read timeout
+    with run_serve(tmp_path, config(tmp_path, good, hostile)) as daemon:
+        until(daemon, "both up", lambda s: up(s, "hostile") == 1)
+        hostile.mode = "slow_headers"
+        switched = time.monotonic()
+        until(daemon, "timeout", lambda s: errors(s, "hostile", "timeout") >= 1)
+        # timeout_seconds 1 + a poll interval of 0.25 s; generous for a loaded machine
+        assert time.monotonic() - switched < 6
+        hostile.mode = "document"
+        until(daemon, "recovered", lambda s: up(s, "hostile") == 1, timeout=10)
+        hostile.mode = "slow_headers"
+        until(daemon, "timeout again", lambda s: errors(s, "hostile", "timeout") >= 2)
+        proc = daemon.process.proc
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert time.monotonic() - sent < 5
