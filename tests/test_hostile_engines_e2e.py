@@ -198,3 +198,39 @@ def test_slow_headers_are_down_within_the_timeout_and_sigterm_is_prompt(
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
         assert time.monotonic() - sent < 5
+
+
+def test_sighup_reloads_the_configuration_and_keeps_it_when_bad(
+    tmp_path: Path, engines: tuple[LedgerServer, HostileEngine, SimEngine]
+) -> None:
+    good, hostile, _ = engines
+    cfg = tmp_path / "kvledger.yml"
+    cfg.write_text(f"""
+interval_seconds: 0.25
+nvml: {{enabled: false}}
+engines:
+  - {{name: good, kind: ledger, url: "{good.url}", timeout_seconds: 1}}
+""")
+    with run_serve(tmp_path, cfg) as daemon:
+        until(daemon, "good up", lambda s: up(s, "good") == 1 and up(s, "hostile") is None)
+        samples, _ = scrape(daemon)
+        first_success = good_success(samples)
+        config(tmp_path, good, hostile)  # adds the second engine, same file
+        daemon.process.proc.send_signal(signal.SIGHUP)
+        samples = until(daemon, "second engine", lambda s: up(s, "hostile") == 1)
+        assert up(samples, "good") == 1
+        assert daemon.process.running()
+        assert "configuration reloaded: 2 engine(s)" in daemon.process.log_tail()
+        # the unchanged engine kept its source: it never went back to "not polled yet"
+        assert errors(samples, "good", "not polled yet") == 0 and good_success(samples) > first_success
+        cfg.write_text(cfg.read_text().replace("timeout_seconds: 1}", "timout_seconds: 1}", 1))
+        daemon.process.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "reload failed" not in daemon.process.log_tail() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "reload failed, the running configuration is kept" in daemon.process.log_tail()
+        assert "unknown key(s): timout_seconds" in daemon.process.log_tail()
+        samples, _ = scrape(daemon)
+        before = good_success(samples)
+        samples = until(daemon, "still polling both", lambda s: good_success(s) > before and up(s, "hostile") == 1)
+        assert daemon.process.running()

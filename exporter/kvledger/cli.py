@@ -44,6 +44,7 @@ def _run_until_signal(
     json_view: bool,
     on_stop: Callable[[], None] | None = None,
     otlp_endpoint: str | None = None,
+    reload: Callable[[KvledgerHTTPServer], None] | None = None,
 ) -> int:
     try:
         server = KvledgerHTTPServer(listen, collector, json_view=json_view)
@@ -54,13 +55,21 @@ def _run_until_signal(
             on_stop()
         return 2
     stop = threading.Event()
+    hangup = threading.Event()
+    wake = threading.Event()
 
     def handle(signum: int, _frame: object) -> None:
         log.info("received %s, shutting down", signal.Signals(signum).name)
         stop.set()
+        wake.set()
+
+    def handle_hangup(_signum: int, _frame: object) -> None:
+        hangup.set()
+        wake.set()
 
     signal.signal(signal.SIGTERM, handle)
     signal.signal(signal.SIGINT, handle)
+    signal.signal(signal.SIGHUP, handle_hangup)
     otlp = None
     if otlp_endpoint:
         from kvledger.otlp_output import OtlpOutput
@@ -69,7 +78,15 @@ def _run_until_signal(
     collector.start()
     server.start()
     log.info("kvledger %s serving on %s/metrics", __version__, server.url)
-    stop.wait()
+    while not stop.is_set():
+        wake.wait()
+        wake.clear()
+        if hangup.is_set() and not stop.is_set():
+            hangup.clear()
+            if reload is None:
+                log.info("received SIGHUP: this command has no configuration file to reload")
+            else:
+                reload(server)
     server.stop()
     if otlp is not None:
         otlp.stop()
@@ -83,7 +100,34 @@ def _run_until_signal(
 def cmd_serve(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     collector = _collector(config)
-    return _run_until_signal(collector, args.listen or config.listen, config.json_view, otlp_endpoint=config.otlp_endpoint)
+    running = [config]
+
+    def reload(server: KvledgerHTTPServer) -> None:
+        """SIGHUP: read the configuration again; a bad one is logged and the old one kept."""
+        from kvledger.sources.registry import build_sources
+
+        old = running[0]
+        log.info("received SIGHUP: reloading %s", args.config)
+        try:
+            new = load_config(args.config)
+            sources, timeouts, base = build_sources(new, previous=(old, collector.sources))
+        except ConfigError as exc:
+            log.error("reload failed, the running configuration is kept: %s", exc)
+            return
+        if new.listen != old.listen and not args.listen:
+            log.warning("listen changed to %s: a restart applies it (still on %s)", new.listen, old.listen)
+        if new.otlp_endpoint != old.otlp_endpoint:
+            log.warning("otlp.endpoint changed: a restart applies it")
+        running[0] = new
+        server.json_view = new.json_view
+        if collector.reconfigure(sources, base, timeouts, new.sharing, new.interval_seconds, new.limits):
+            log.info("configuration reloaded: %d engine(s)", len(new.engines))
+        else:
+            log.warning("configuration read: the polling thread is busy and applies it at its next cycle")
+
+    return _run_until_signal(
+        collector, args.listen or config.listen, config.json_view, otlp_endpoint=config.otlp_endpoint, reload=reload
+    )
 
 
 #: which simulated engine a bare --fault MODE applies to

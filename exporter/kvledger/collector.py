@@ -25,6 +25,7 @@ from kvledger.config import LimitsConfig
 from kvledger.label_limits import LabelLimitError, limit_labels
 from kvledger.model import EngineFacts, Snapshot, SourceHealth
 from kvledger.policy import Accounts, EngineAccount, budget_terms, engine_account, gpu_accounts
+from kvledger.sources.http_client import redact_text
 from kvledger.sources.base import Contribution, EngineContribution, GpuContribution, Source, SourceError
 
 log = logging.getLogger("kvledger.collector")
@@ -48,6 +49,24 @@ class _Runner:
     timed_out: bool = False
     generation: int = 0  # successful polls so far
     message: str | None = None  # the full text of the latest failure
+
+
+@dataclass
+class _Reconfiguration:
+    sources: list[Source]
+    base_engines: list[EngineFacts]
+    timeouts: dict[int, float]
+    sharing: str
+    interval: float
+    limits: LimitsConfig
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def _close(source: Source) -> None:
+    try:
+        source.close()
+    except Exception:  # closing is best effort; report and go on
+        log.exception("closing source %s/%s", source.engine, source.kind)
 
 
 def _timed_poll(source: Source) -> _PollOutcome:
@@ -88,6 +107,7 @@ class Collector:
         self._limited_totals: dict[tuple[str, str, str], int] = {}
         self._subs: dict[tuple[str, str], SourceHealth] = {}
         self._sub_messages: dict[tuple[str, str], str | None] = {}
+        self._pending: _Reconfiguration | None = None
         self.cycles = 0
 
     # ------------------------------------------------------------ public
@@ -104,6 +124,61 @@ class Collector:
         subs = [(dataclasses.replace(h), self._sub_messages.get(k)) for k, h in self._subs.items()]
         return main + subs
 
+    def reconfigure(
+        self,
+        sources: Sequence[Source],
+        base_engines: Sequence[EngineFacts],
+        timeouts: dict[int, float],
+        sharing: str,
+        interval: float,
+        limits: LimitsConfig,
+        wait: float = 10.0,
+    ) -> bool:
+        """Take a new configuration (SIGHUP): sources that are the same objects as before
+        keep their state (health, counters, a poll in flight); the others are closed. It is
+        applied by the polling thread at its next cycle (or now, if it is not running);
+        returns False if that did not happen within ``wait`` seconds."""
+        change = _Reconfiguration(list(sources), list(base_engines), dict(timeouts), sharing, interval, limits)
+        if self._thread is None or not self._thread.is_alive():
+            self._apply(change)
+            return True
+        with self._lock:
+            self._pending = change
+        return change.done.wait(wait)
+
+    def _apply(self, change: _Reconfiguration) -> None:
+        old = {id(r.source): r for r in self._runners}
+        runners: list[_Runner] = []
+        for s in change.sources:
+            timeout = change.timeouts.get(id(s), self.default_timeout)
+            r = old.pop(id(s), None)
+            if r is None:
+                r = _Runner(s, timeout, SourceHealth(s.engine, s.kind, up=False, reason="not polled yet"))
+            r.timeout = timeout
+            runners.append(r)
+        for r in old.values():  # removed or changed: closed off the polling thread
+            threading.Thread(target=_close, args=(r.source,), name="kvledger-close", daemon=True).start()
+        self._runners = runners
+        self.sources = change.sources
+        self.base_engines = change.base_engines
+        self.timeouts = change.timeouts
+        self.sharing = change.sharing
+        self.interval = change.interval
+        self.limits = change.limits
+        self._pool.shutdown(wait=False)  # polls in flight finish there
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(runners)), thread_name_prefix="kvledger-poll")
+        engines = {s.engine for s in change.sources} | {e.name for e in change.base_engines}
+        self._invariant_totals = {k: v for k, v in self._invariant_totals.items() if k[0] in engines}
+        self._limited_totals = {k: v for k, v in self._limited_totals.items() if k[0] in engines}
+        self._subs = {k: v for k, v in self._subs.items() if k[0] in engines}
+        change.done.set()
+
+    def _take_pending(self) -> None:
+        with self._lock:
+            change, self._pending = self._pending, None
+        if change is not None:
+            self._apply(change)
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="kvledger-collector", daemon=True)
         self._thread.start()
@@ -113,10 +188,7 @@ class Collector:
         if self._thread is not None:
             self._thread.join(timeout=self.interval + 5)
         for r in self._runners:
-            try:
-                r.source.close()
-            except Exception:  # closing is best effort; report and go on
-                log.exception("closing source %s/%s", r.source.engine, r.source.kind)
+            _close(r.source)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def poll_once(self) -> Accounts:
@@ -135,6 +207,7 @@ class Collector:
     def _loop(self) -> None:
         next_cycle = time.monotonic()
         while not self._stop.is_set():
+            self._take_pending()
             self._submit_idle()
             pending = [r.future for r in self._runners if r.future is not None]
             # wait for this cycle's polls, but never past the next cycle
@@ -184,6 +257,7 @@ class Collector:
                 self._mark_down(r, "timeout", f"no answer within {r.timeout:g} s")
 
     def _mark_down(self, r: _Runner, reason: str, message: str) -> None:
+        message = redact_text(message)
         if r.health.up or r.message != message:
             log.warning("source %s/%s down (%s): %s", r.source.engine or "-", r.source.kind, reason, message)
         r.latest = None
@@ -211,7 +285,7 @@ class Collector:
                     log.warning("source %s/%s down: %s", r.source.engine, name, message)
                 h.up = up
                 h.reason = None if up else "unavailable"
-                self._sub_messages[key] = message
+                self._sub_messages[key] = None if message is None else redact_text(message)
                 if up:
                     h.last_success = now
                 out.append(dataclasses.replace(h, errors=dict(h.errors)))

@@ -26,6 +26,7 @@ import base64
 import heapq
 import http.client
 import itertools
+import re
 import socket
 import ssl
 import threading
@@ -56,6 +57,14 @@ def redact_url(url: str) -> str:
     host = parts.netloc.rpartition("@")[2]
     user = parts.username or ""
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}" if user else host))
+
+
+_USERINFO = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)([^/@\s:]*):[^/@\s]*@")
+
+
+def redact_text(text: str) -> str:
+    """``text`` with the password of every URL in it replaced by ``***``."""
+    return _USERINFO.sub(r"\1\2:***@", text)
 
 
 # ---------------------------------------------------------------- the deadline watchdog

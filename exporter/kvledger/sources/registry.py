@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvledger.config import Config, ConfigError, EngineConfig
 from kvledger.model import Budgets, EngineFacts, HostFacts, Limit, MemoryTerm, TenantQuota
 from kvledger.sources.base import Source
@@ -71,18 +73,34 @@ def engine_sources(cfg: EngineConfig) -> list[Source]:
     return sources
 
 
-def build_sources(config: Config) -> tuple[list[Source], dict[int, float], list[EngineFacts]]:
-    """Sources, their timeouts (by id), and the base facts of every engine."""
+def build_sources(
+    config: Config, previous: tuple[Config, Sequence[Source]] | None = None
+) -> tuple[list[Source], dict[int, float], list[EngineFacts]]:
+    """Sources, their timeouts (by id), and the base facts of every engine. With
+    ``previous`` (a reload), an engine whose configuration is unchanged keeps its source
+    objects, and so its state; NVML too when its setting is unchanged."""
+    kept: dict[str, list[Source]] = {}
+    if previous is not None:
+        old_config, old_sources = previous
+        unchanged = {c.name for c in old_config.engines if c in config.engines}
+        for s in old_sources:
+            if s.engine in unchanged:
+                kept.setdefault(s.engine, []).append(s)
+            elif s.engine == "" and old_config.nvml == config.nvml:
+                kept.setdefault("", []).append(s)
     sources: list[Source] = []
     timeouts: dict[int, float] = {}
     for cfg in config.engines:
-        for s in engine_sources(cfg):
+        for s in kept.get(cfg.name) or engine_sources(cfg):
             sources.append(s)
             timeouts[id(s)] = cfg.timeout_seconds
     if config.nvml.enabled != "false":
-        from kvledger.sources.nvml import NvmlSource
+        if kept.get(""):
+            sources.extend(kept[""])
+        else:
+            from kvledger.sources.nvml import NvmlSource
 
-        nvml = NvmlSource(config.nvml.enabled)
-        if nvml.available():  # auto without a library: no GPU figures, and no alarm
-            sources.append(nvml)
+            nvml = NvmlSource(config.nvml.enabled)
+            if nvml.available():  # auto without a library: no GPU figures, and no alarm
+                sources.append(nvml)
     return sources, timeouts, [base_engine_facts(c) for c in config.engines]
