@@ -222,3 +222,18 @@ def test_collector_counts_limited_labels_once_per_poll() -> None:
     s = samples(render_text(acc))
     assert s[("kvledger_label_values_limited_total", (("action", "dropped"), ("engine", "good"), ("label", "tenant")))] == 30
     c.stop()
+
+
+def test_render_survives_a_family_that_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvledger.prometheus_output as out
+
+    spec = next(s for s in out.CATALOG if s.name == "kvledger_kv_capacity_blocks")
+
+    def boom(_a: object) -> list[object]:
+        raise RuntimeError("bug")
+
+    broken = dataclasses.replace(spec, samples=boom)
+    monkeypatch.setattr(out, "CATALOG", tuple(broken if s is spec else s for s in out.CATALOG))
+    s = samples(render_text(compute_accounts(Snapshot(engines=[healthy()]))))
+    assert ("kvledger_kv_capacity_blocks", (("engine", "good"), ("pool", "0"))) not in s
+    assert s[("kvledger_kv_capacity_bytes", (("engine", "good"), ("pool", "0")))] == 1000

@@ -12,6 +12,7 @@ Two renderings of the same families:
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterator
 
@@ -22,6 +23,8 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvledger.catalog import CATALOG, MetricSpec
 from kvledger.policy import Accounts
+
+log = logging.getLogger("kvledger.output")
 
 TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -87,20 +90,30 @@ _HEADERS = {
 
 
 def render_text(accounts: Accounts | None, process_registry: CollectorRegistry | None = None) -> bytes:
-    """The catalogue's families in the text exposition format 0.0.4."""
+    """The catalogue's families in the text exposition format 0.0.4.
+
+    The collector only publishes Accounts it has rendered engine by engine
+    (``collector.check_renderable``); should a family still fail, it is left empty and
+    logged rather than failing the whole scrape."""
     out: list[str] = []
     for spec in CATALOG:
         out.append(_HEADERS[spec.name])
         if accounts is None:
             continue
         names = spec.labels
-        for labels, value in spec.samples(accounts):
-            if names:
-                pairs = ",".join(f'{n}="{_escape_value(v)}"' for n, v in zip(names, labels, strict=True))
-                out.append(f"{spec.name}{{{pairs}}} {_number(value)}\n")
-            else:
-                out.append(f"{spec.name} {_number(value)}\n")
-    body = "".join(out).encode()
+        lines: list[str] = []
+        try:
+            for labels, value in spec.samples(accounts):
+                if names:
+                    pairs = ",".join(f'{n}="{_escape_value(v)}"' for n, v in zip(names, labels, strict=True))
+                    lines.append(f"{spec.name}{{{pairs}}} {_number(value)}\n")
+                else:
+                    lines.append(f"{spec.name} {_number(value)}\n")
+        except Exception:  # a bug of ours: lose one family, never the scrape
+            log.exception("rendering %s failed; the family is left empty", spec.name)
+            continue
+        out.extend(lines)
+    body = "".join(out).encode("utf-8", "backslashreplace")
     if process_registry is not None:
         body += generate_latest(process_registry)
     return body

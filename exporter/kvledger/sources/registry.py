@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from kvledger.config import Config, ConfigError, EngineConfig
 from kvledger.model import Budgets, EngineFacts, HostFacts, Limit, MemoryTerm, TenantQuota
-from kvledger.sources.base import Source
+from kvledger.sources.base import Source, SourceError
 
 #: engine kinds with an adapter in this release
 SUPPORTED_KINDS = ("ledger", "vllm")
@@ -48,6 +48,13 @@ def base_engine_facts(cfg: EngineConfig) -> EngineFacts:
 
 
 def engine_sources(cfg: EngineConfig) -> list[Source]:
+    try:
+        return _engine_sources(cfg)
+    except SourceError as exc:  # e.g. a URL the HTTP client cannot use
+        raise ConfigError(f"engine {cfg.name!r}: {exc.message}") from None
+
+
+def _engine_sources(cfg: EngineConfig) -> list[Source]:
     sources: list[Source] = []
     if cfg.kind == "ledger":
         from kvledger.sources.ledger import LedgerSource
