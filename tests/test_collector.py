@@ -10,7 +10,7 @@ import urllib.request
 from kvledger.collector import Collector
 from kvledger.model import EngineFacts, PoolFacts
 from kvledger.server import KvledgerHTTPServer
-from kvledger.sources.base import Contribution, EngineContribution, Source, SourceError
+from kvledger.sources.base import Contribution, EngineContribution, Source, SourceError, SubsourceReport
 
 
 class Fixed(Source):
@@ -146,8 +146,8 @@ def test_subsource_health_is_reported() -> None:
     class WithEvents(Fixed):
         state = (False, "rank 0: sequence gap 4..6, no replay endpoint")
 
-        def subsource_health(self) -> list[tuple[str, bool, str | None]]:
-            return [("kv_events", *self.state)]
+        def subsource_health(self) -> list[SubsourceReport]:
+            return [SubsourceReport("kv_events", *self.state)]
 
     src = WithEvents("v")
     c = Collector([src], base_engines=base("v"))

@@ -22,6 +22,7 @@ from kvledger.prometheus_output import render_text
 from kvledger.sim.demo import demo_profiles, start_demo, vllm_engine_config
 from kvledger.sim.engine import SimEngine
 from kvledger.sim.vllm_frontend import END_SEQ, TOPIC, VllmFrontend
+from kvledger.sources.base import SubsourceReport
 from kvledger.sources.ledger import LedgerSource
 from kvledger.sources.prom_text import parse_exposition
 from kvledger.sources.registry import base_engine_facts, engine_sources
@@ -286,7 +287,7 @@ def test_demo_serves_the_stock_vllm_as_kind_vllm() -> None:
         try:
             def healthy() -> bool:
                 source.poll()  # the log is read at each poll
-                return source.subsource_health() == [("kv_events", True, None), ("log", True, None)]
+                return source.subsource_health() == [SubsourceReport("kv_events", True, None), SubsourceReport("log", True, None)]
 
             wait_for(healthy, "KV events and log up")
             wait_for(lambda: source.poll().facts.kv_events.get("BlockStored", 0) > 0, "live KV events")

@@ -13,7 +13,7 @@ import pytest
 
 from kvledger.config import EngineConfig
 from kvledger.model import Snapshot
-from kvledger.sources.base import EngineContribution, SourceError
+from kvledger.sources.base import EngineContribution, SourceError, SubsourceReport
 from kvledger.sources.vllm import VllmSource, process_start_time
 from vllm_publisher import FakeVllmPublisher, received, stored_map, wait_for
 
@@ -132,14 +132,14 @@ def test_events_and_log_merged(server, tmp_path: Path) -> None:
     src = VllmSource(_cfg(url, kv_events=pub.endpoint, kv_events_replay=pub.replay_endpoint, log_file=str(log)))
     try:
         pub.wait_subscribed()
-        wait_for(lambda: src.subsource_health()[0][1], "events trusted")
+        wait_for(lambda: src.subsource_health()[0].up, "events trusted")
         pub.publish([stored_map([1, 2, 3])])
         received(src._events, 1)  # type: ignore[arg-type]
         facts = src.poll().facts
         assert facts.pools[0].cached_blocks == 3
         assert facts.kv_events == {"BlockStored": 1} and facts.kv_events_lost == 0
         assert [(t.gpu, t.category, t.bytes, t.source) for t in facts.memory] == [(0, "kv_pool", 1 << 29, "measured")]
-        assert src.subsource_health() == [("kv_events", True, None), ("log", True, None)]
+        assert src.subsource_health() == [SubsourceReport("kv_events", True, None), SubsourceReport("log", True, None)]
     finally:
         src.close()
         pub.close()
@@ -157,8 +157,8 @@ def test_broken_subsources_do_not_fail_the_poll(server, tmp_path: Path) -> None:
         facts = src.poll().facts
         assert facts.pools[0].cached_blocks is None and facts.memory == []
         (events, logh) = src.subsource_health()
-        assert events[0] == "kv_events" and events[1] is False and "mid-stream" in (events[2] or "")
-        assert logh[0] == "log" and logh[1] is False and "missing.log" in (logh[2] or "")
+        assert events.name == "kv_events" and events.up is False and "mid-stream" in (events.message or "")
+        assert logh.name == "log" and logh.up is False and "missing.log" in (logh.message or "")
     finally:
         src.close()
         pub.close()
@@ -182,7 +182,7 @@ def test_engine_restart_drops_the_old_cached_count(server) -> None:
     src = VllmSource(_cfg(url, kv_events=pub.endpoint, kv_events_replay=pub.replay_endpoint))
     try:
         pub.wait_subscribed()
-        wait_for(lambda: src.subsource_health()[0][1], "events trusted")
+        wait_for(lambda: src.subsource_health()[0].up, "events trusted")
         pub.publish([stored_map([1, 2, 3])])
         received(src._events, 1)  # type: ignore[arg-type]
         assert src.poll().facts.pools[0].cached_blocks == 3
@@ -191,7 +191,7 @@ def test_engine_restart_drops_the_old_cached_count(server) -> None:
         handler.mode = "restarted"
         assert src.poll().facts.pools[0].cached_blocks in (None, 0)  # never the old 3
         wait_for(lambda: src.poll().facts.pools[0].cached_blocks == 0, "the new run's empty count")
-        assert src.subsource_health()[0] == ("kv_events", True, None)
+        assert src.subsource_health()[0] == SubsourceReport("kv_events", True, None)
     finally:
         src.close()
         pub.close()

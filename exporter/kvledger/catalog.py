@@ -419,8 +419,3 @@ CATALOG: tuple[MetricSpec, ...] = (
 )
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in CATALOG}
-
-
-def metric_names() -> set[str]:
-    """Every exported series name (counters with their _total suffix)."""
-    return set(BY_NAME)

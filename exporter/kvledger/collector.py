@@ -271,10 +271,8 @@ class Collector:
         out = []
         now = time.time()
         for r in self._runners:
-            report = getattr(r.source, "subsource_health", None)
-            if report is None:
-                continue
-            for name, up, message in report():
+            for report in r.source.subsource_health():
+                name, up, message = report.name, report.up, report.message
                 key = (r.source.engine, name)
                 h = self._subs.get(key)
                 if h is None:

@@ -737,6 +737,3 @@ def compute_accounts(snapshot: Snapshot) -> Accounts:
         taken_at=snapshot.taken_at,
     )
 
-
-def engine_counters(engine: EngineFacts) -> dict[str, float]:
-    return {k: v for k, v in engine.counters.items() if k in COUNTER_NAMES}

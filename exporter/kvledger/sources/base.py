@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from kvledger.model import EngineFacts, GpuFacts, PoolFacts, Snapshot
+from kvledger.model import EngineFacts, GpuFacts, Snapshot
 
 
 T = TypeVar("T")
@@ -121,12 +121,13 @@ class GpuContribution(Contribution):
         snapshot.driver_version = self.driver_version
 
 
-def replace_pool(engine: EngineFacts, pool_id: str, **changes: object) -> EngineFacts:
-    """A copy of ``engine`` whose pool ``pool_id`` has ``changes`` (other objects are shared)."""
-    pools: list[PoolFacts] = [
-        dataclasses.replace(p, **changes) if p.id == pool_id else p for p in engine.pools  # type: ignore[arg-type]
-    ]
-    return dataclasses.replace(engine, pools=pools)
+@dataclass(frozen=True)
+class SubsourceReport:
+    """The health of a part a source runs itself (vLLM's KV-event subscriber, its log reader)."""
+
+    name: str  # the ``source`` label value, e.g. "kv_events"
+    up: bool
+    message: str | None = None  # why it is not up
 
 
 class Source(ABC):
@@ -138,6 +139,10 @@ class Source(ABC):
     @abstractmethod
     def poll(self) -> Contribution:
         """Fetch and parse once; raise SourceError on failure. Runs off the scrape path."""
+
+    def subsource_health(self) -> list[SubsourceReport]:
+        """The parts this source runs itself, each with its health (none by default)."""
+        return []
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release sockets and threads."""

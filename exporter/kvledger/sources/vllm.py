@@ -21,7 +21,7 @@ from typing import Any
 from kvledger.config import EngineConfig
 from kvledger.model import EngineFacts
 from kvledger.model_bytes import ModelConfigError, load_model_config
-from kvledger.sources.base import EngineContribution, Source, SourceError
+from kvledger.sources.base import EngineContribution, Source, SourceError, SubsourceReport
 from kvledger.sources.http_client import HttpClient
 from kvledger.sources.vllm_events import KvEventSubscriber
 from kvledger.sources.vllm_log import VllmLogReader, memory_terms
@@ -119,14 +119,14 @@ class VllmSource(Source):
         self._log_error = None if terms else f"{self._log.path}: no memory profile line found yet"
         return dataclasses.replace(facts, memory=list(facts.memory) + terms)
 
-    def subsource_health(self) -> list[tuple[str, bool, str | None]]:
-        """("kv_events", up, reason) and ("log", up, reason) for the configured sub-sources."""
-        out: list[tuple[str, bool, str | None]] = []
+    def subsource_health(self) -> list[SubsourceReport]:
+        """kv_events and log, for the configured sub-sources."""
+        out: list[SubsourceReport] = []
         if self._events is not None:
             up, reason = self._events.health()
-            out.append(("kv_events", up, reason))
+            out.append(SubsourceReport("kv_events", up, reason))
         if self._log is not None:
-            out.append(("log", self._log_error is None, self._log_error))
+            out.append(SubsourceReport("log", self._log_error is None, self._log_error))
         return out
 
     def close(self) -> None:
