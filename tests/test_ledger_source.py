@@ -9,8 +9,17 @@ from kvledger.config import EngineConfig, HostConfig, LimitConfig, MemoryConfig,
 from kvledger.ledger import Ledger, PoolSpec
 from kvledger.ledger_server import serve_http, serve_unix
 from kvledger.model import Limit, MemoryTerm, Snapshot, TenantQuota
+from kvledger.facts_merge import configured_facts
 from kvledger.sources.base import SourceError
 from kvledger.sources.ledger import LedgerSource
+
+
+def polled(url, **kw):
+    """The engine's facts as the collector sees them: polled, then the configuration merged in."""
+    cfg = config(url, **kw)
+    snap = Snapshot(engines=[configured_facts(cfg)])
+    LedgerSource(cfg).poll().apply(snap)
+    return snap.engines[0]
 
 
 def ledger():
@@ -69,7 +78,8 @@ def test_poll_over_http():
         src = LedgerSource(config(server.url))
         assert src.kind == "ledger" and src.engine == "eng"
         contribution = src.poll()
-    check_facts(contribution.facts)
+        check_facts(polled(server.url))
+    assert contribution.facts.budgets.max_num_seqs is None  # the document's own facts
     snap = Snapshot()
     contribution.apply(snap)
     assert snap.engines[0].name == "eng"
@@ -80,12 +90,12 @@ def test_poll_over_unix_socket(sock_dir):
     path = os.path.join(sock_dir, "ledger.sock")
     with serve_unix(led.to_document, path) as server:
         assert server.url == f"unix://{path}"
-        check_facts(LedgerSource(config(server.url)).poll().facts)
+        check_facts(polled(server.url))
 
 
 def test_config_overrides_admission_and_overflow():
     with serve_http(ledger().to_document) as server:
-        facts = LedgerSource(config(server.url, admission="dynamic", overflow="swap")).poll().facts
+        facts = polled(server.url, admission="dynamic", overflow="swap")
     assert (facts.admission, facts.overflow) == ("dynamic", "swap")
 
 
@@ -154,7 +164,7 @@ def test_document_without_budgets_takes_them_from_config():
                 "requests": []}
 
     with serve_http(minimal) as server:
-        facts = LedgerSource(dataclasses.replace(config(server.url), tenants=())).poll().facts
+        facts = polled(server.url, tenants=())
     assert facts.budgets.max_model_len == 4096 and facts.budgets.iteration_tokens is None
     assert facts.tenants == [] and facts.admission is None
 

@@ -207,8 +207,8 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     config = load_config(args.config)
+    collector = _collector(config)  # builds every source: a configuration it cannot use fails here
     print(f"{args.config}: configuration is valid ({len(config.engines)} engine(s), sharing={config.sharing})")
-    collector = _collector(config)
     try:
         collector.poll_once()
         bad = 0

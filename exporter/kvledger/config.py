@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 
 import yaml
 
+from kvledger.engine_kinds import KINDS, PLANNED, kind_specific_keys
 from kvledger.model import ADMISSIONS, LIMIT_KINDS, OVERFLOWS, SHARINGS, TERM_SOURCES
 
-ENGINE_KINDS: tuple[str, ...] = ("ledger", "vllm", "sglang", "trtllm", "triton-trtllm", "tgi", "llamacpp")
 DEFAULT_LISTEN = "0.0.0.0:9477"
 DEFAULT_INTERVAL = 1.0
 DEFAULT_TIMEOUT = 2.0
@@ -238,6 +238,18 @@ def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
     return conv
 
 
+def _engine_kind(value: Any) -> str:
+    if isinstance(value, str) and value in KINDS:
+        return value
+    known = ", ".join(KINDS)
+    if isinstance(value, str) and value in PLANNED:
+        raise ValueError(
+            f"kind {value!r} has no adapter in this release (kinds: {known}); "
+            "an engine with an in-engine kvledger/v1 integration is kind: ledger"
+        )
+    raise ValueError(f"must be one of {known}; got {value!r}")
+
+
 def _str(value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError(f"expected a non-empty string, got {value!r}")
@@ -321,7 +333,11 @@ def _engine(r: _Reader, names: set[str]) -> EngineConfig:
     if name in names:
         raise r.error(f"duplicate engine name {name!r}", "name")
     names.add(name)
-    kind = r.require("kind", _choice(ENGINE_KINDS))
+    kind = r.require("kind", _engine_kind)
+    owners = kind_specific_keys()
+    foreign = sorted(k for k in map(str, r.data) if owners.get(k, kind) != kind)
+    if foreign:
+        raise r.error(", ".join(f"{k} is for kind {owners[k]} only" for k in foreign) + f" (this engine is kind {kind})")
     url = r.require("url", _url)
     model = None
     if (m := r.child("model")) is not None:

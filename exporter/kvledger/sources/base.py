@@ -16,12 +16,10 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
+from kvledger.facts_merge import merge
 from kvledger.model import EngineFacts, GpuFacts, Snapshot
 
-
-T = TypeVar("T")
 
 
 class SourceError(Exception):
@@ -55,44 +53,18 @@ def find_engine(snapshot: Snapshot, name: str) -> EngineFacts | None:
 
 @dataclass
 class EngineContribution(Contribution):
-    """The primary facts of one engine; merged over the config-derived base facts."""
+    """The primary facts of one engine, as the engine reports them; the configured facts
+    are merged in by ``facts_merge.merge`` (one precedence for every field)."""
 
     facts: EngineFacts
     order: int = 0
 
     def apply(self, snapshot: Snapshot) -> None:
         base = find_engine(snapshot, self.facts.name)
-        merged = dataclasses.replace(self.facts)
         if base is not None:
-            # Config-only knowledge fills what the engine does not report.
-            if not merged.tenants:
-                merged.tenants = base.tenants
-            if not merged.gpus:
-                merged.gpus = base.gpus
-            if not merged.pids:
-                merged.pids = base.pids
-            merged.memory = list(merged.memory) + [
-                t for t in base.memory if (t.gpu, t.category) not in {(m.gpu, m.category) for m in merged.memory}
-            ]
-            if merged.admission is None:
-                merged.admission = base.admission
-            if merged.overflow is None:
-                merged.overflow = base.overflow
-            merged.budgets = _fill(merged.budgets, base.budgets)
-            merged.host = _fill(merged.host, base.host)
-            snapshot.engines[snapshot.engines.index(base)] = merged
+            snapshot.engines[snapshot.engines.index(base)] = merge(self.facts, base)
         else:
-            snapshot.engines.append(merged)
-
-
-def _fill(primary: T, fallback: T) -> T:
-    """A copy of dataclass ``primary`` whose None fields take ``fallback``'s values."""
-    changes = {
-        f.name: getattr(fallback, f.name)
-        for f in dataclasses.fields(primary)  # type: ignore[arg-type]
-        if getattr(primary, f.name) is None and getattr(fallback, f.name) is not None
-    }
-    return dataclasses.replace(primary, **changes) if changes else primary  # type: ignore[type-var]
+            snapshot.engines.append(dataclasses.replace(self.facts))
 
 
 @dataclass

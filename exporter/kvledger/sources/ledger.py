@@ -2,9 +2,8 @@
 
 ``url`` is ``http://host:port/path``, ``https://...`` or ``unix:///path/to/socket``
 (then ``GET /`` is sent over the socket, with HTTP/1.1). ``timeout_seconds`` bounds
-the whole exchange (connect and every read together). The document is exact; the
-source adds what only the configuration knows (budgets the document lacks, admission
-and overflow overrides, tenant quotas, GPUs, PIDs, memory terms, host limits).
+the whole exchange (connect, headers and body together). The document is exact; what
+only the configuration knows is merged in by the collector (``facts_merge``).
 
 Errors (SourceError reasons): ``connect``, ``timeout``, ``http_status``, ``too_large``
 (the HTTP client's, see ``http_client``), ``parse`` (not JSON), ``schema`` (breaks
@@ -19,50 +18,10 @@ import hashlib
 import orjson
 
 from kvledger.config import EngineConfig
-from kvledger.model import Budgets, EngineFacts, HostFacts, Limit, MemoryTerm, TenantQuota
 from kvledger.protocol import ProtocolError, facts_from_document
 from kvledger.memory import release_freed_memory
 from kvledger.sources.base import EngineContribution, Source, SourceError
 from kvledger.sources.http_client import LARGE_BODY, HttpClient
-
-def apply_config(facts: EngineFacts, cfg: EngineConfig) -> EngineFacts:
-    """Add what only the configuration knows to a document's facts (a new object)."""
-    b = facts.budgets
-    budgets = Budgets(
-        max_num_batched_tokens=b.max_num_batched_tokens if b.max_num_batched_tokens is not None else cfg.max_num_batched_tokens,
-        iteration_tokens=b.iteration_tokens,
-        max_num_seqs=b.max_num_seqs if b.max_num_seqs is not None else cfg.max_num_seqs,
-        max_model_len=b.max_model_len if b.max_model_len is not None else cfg.max_model_len,
-    )
-    tenants = [TenantQuota(t.name, t.quota_bytes) for t in cfg.tenants] if cfg.tenants else list(facts.tenants)
-    gpus = list(cfg.gpus) if cfg.gpus else sorted({t.gpu for t in facts.memory})
-    memory = list(facts.memory)
-    given = {(t.gpu, t.category) for t in memory}
-    for category, term in cfg.memory.terms.items():
-        for gpu in gpus:
-            if (gpu, category) not in given:
-                memory.append(MemoryTerm(gpu, category, term.value, term.source))  # type: ignore[arg-type]
-    h = facts.host
-    host = dataclasses.replace(h)
-    hc = cfg.host
-    if host.output_buffer_limit is None and hc.output_buffer_limit_bytes is not None:
-        host.output_buffer_limit = Limit(hc.output_buffer_limit_bytes.value, hc.output_buffer_limit_bytes.kind)  # type: ignore[arg-type]
-    if host.network_queue_limit is None and hc.network_queue_limit is not None:
-        host.network_queue_limit = Limit(hc.network_queue_limit.value, hc.network_queue_limit.kind)  # type: ignore[arg-type]
-    return dataclasses.replace(
-        facts,
-        name=cfg.name,
-        source="ledger",
-        admission=cfg.admission or facts.admission,  # type: ignore[arg-type]
-        overflow=cfg.overflow or facts.overflow,  # type: ignore[arg-type]
-        budgets=budgets,
-        tenants=tenants,
-        gpus=gpus,
-        pids=list(cfg.processes.pids) if cfg.processes is not None else list(facts.pids),
-        memory=memory,
-        host=host if isinstance(host, HostFacts) else HostFacts(),
-    )
-
 
 class LedgerSource(Source):
     kind = "ledger"
@@ -105,7 +64,7 @@ class LedgerSource(Source):
         except ProtocolError as exc:
             raise SourceError("schema", f"{self.url}: not a kvledger/v1 document: {exc}") from None
         del doc
-        return EngineContribution(apply_config(facts, self.cfg))
+        return EngineContribution(facts)
 
     def close(self) -> None:
         self._http.abort()

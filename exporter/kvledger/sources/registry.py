@@ -5,46 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvledger.config import Config, ConfigError, EngineConfig
-from kvledger.model import Budgets, EngineFacts, HostFacts, Limit, MemoryTerm, TenantQuota
+from kvledger.engine_kinds import KINDS
+from kvledger.facts_merge import configured_facts
+from kvledger.model import EngineFacts
 from kvledger.sources.base import Source, SourceError
-
-#: engine kinds with an adapter in this release
-SUPPORTED_KINDS = ("ledger", "vllm")
 
 
 def base_engine_facts(cfg: EngineConfig) -> EngineFacts:
     """What the configuration alone says about an engine (the sources add the rest)."""
-    gpus = list(cfg.gpus)
-    memory = [
-        MemoryTerm(gpu, category, term.value, term.source)  # type: ignore[arg-type]
-        for category, term in cfg.memory.terms.items()
-        for gpu in (gpus or [0])
-    ]
-    host = HostFacts(
-        output_buffer_limit=Limit(cfg.host.output_buffer_limit_bytes.value, cfg.host.output_buffer_limit_bytes.kind)  # type: ignore[arg-type]
-        if cfg.host.output_buffer_limit_bytes
-        else None,
-        network_queue_limit=Limit(cfg.host.network_queue_limit.value, cfg.host.network_queue_limit.kind)  # type: ignore[arg-type]
-        if cfg.host.network_queue_limit
-        else None,
-    )
-    return EngineFacts(
-        name=cfg.name,
-        kind=cfg.kind,
-        source=cfg.kind,
-        admission=cfg.admission,  # type: ignore[arg-type]
-        overflow=cfg.overflow,  # type: ignore[arg-type]
-        budgets=Budgets(
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_num_seqs=cfg.max_num_seqs,
-            max_model_len=cfg.max_model_len,
-        ),
-        memory=memory,
-        host=host,
-        tenants=[TenantQuota(t.name, t.quota_bytes) for t in cfg.tenants],
-        gpus=gpus,
-        pids=list(cfg.processes.pids) if cfg.processes else [],
-    )
+    return configured_facts(cfg)
 
 
 def engine_sources(cfg: EngineConfig) -> list[Source]:
@@ -55,20 +24,7 @@ def engine_sources(cfg: EngineConfig) -> list[Source]:
 
 
 def _engine_sources(cfg: EngineConfig) -> list[Source]:
-    sources: list[Source] = []
-    if cfg.kind == "ledger":
-        from kvledger.sources.ledger import LedgerSource
-
-        sources.append(LedgerSource(cfg))
-    elif cfg.kind == "vllm":
-        from kvledger.sources.vllm import VllmSource
-
-        sources.append(VllmSource(cfg))
-    else:
-        raise ConfigError(
-            f"{cfg.name}: engine kind {cfg.kind!r} has no adapter in this release "
-            f"(supported: {', '.join(SUPPORTED_KINDS)}); use kind: ledger with an in-engine integration"
-        )
+    sources: list[Source] = [KINDS[cfg.kind].build(cfg)]
     if cfg.host.port is not None:
         from kvledger.sources.host_sockets import HostSocketSource
 

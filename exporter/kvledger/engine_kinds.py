@@ -1,0 +1,77 @@
+"""Every engine kind kvledger reads, one registration each.
+
+A registration names the kind's source class (imported only when an engine of that kind
+is configured), the configuration keys that only this kind accepts, the admission and
+overflow rules of the engine when neither the engine nor the configuration says, and the
+kind's documentation page. The configuration loader and the source registry derive
+everything from this table: a new engine kind is a new source folder plus one
+``register(...)`` here (docs/adding-an-engine.md).
+
+This module imports nothing heavy: the loader reads it to validate a file.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvledger.model import Admission, Overflow
+
+if TYPE_CHECKING:
+    from kvledger.config import EngineConfig
+    from kvledger.sources.base import Source
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    name: str  # the ``kind:`` value in the configuration
+    source: str  # "module:Class" of the Source, constructed with the engine's EngineConfig
+    keys: frozenset[str]  # configuration keys that only this kind accepts
+    admission: Admission | None  # the engine's rule, when neither it nor the config says
+    overflow: Overflow | None
+    docs: str  # the kind's page, relative to the repository root
+    summary: str  # one line for error messages and the README
+
+    def build(self, cfg: EngineConfig) -> Source:
+        module, _, cls = self.source.partition(":")
+        source: Source = getattr(importlib.import_module(module), cls)(cfg)
+        return source
+
+
+KINDS: dict[str, EngineKind] = {}
+
+#: kinds on the roadmap: named in the error for an unknown kind, never accepted
+PLANNED: tuple[str, ...] = ("sglang", "trtllm", "triton-trtllm", "tgi", "llamacpp")
+
+
+def register(kind: EngineKind) -> None:
+    if kind.name in KINDS:
+        raise ValueError(f"engine kind {kind.name!r} is registered twice")
+    KINDS[kind.name] = kind
+
+
+def kind_specific_keys() -> dict[str, str]:
+    """Each kind-specific configuration key and the kind that owns it."""
+    return {key: kind.name for kind in KINDS.values() for key in kind.keys}
+
+
+register(EngineKind(
+    name="ledger",
+    source="kvledger.sources.ledger:LedgerSource",
+    keys=frozenset(),
+    admission=None,  # the document says; absent means unknown
+    overflow=None,
+    docs="docs/ledger.md",
+    summary="a kvledger/v1 document over HTTP(S) or a Unix socket (exact)",
+))
+
+register(EngineKind(
+    name="vllm",
+    source="kvledger.sources.vllm:VllmSource",
+    keys=frozenset({"kv_events", "kv_events_replay", "log_file"}),
+    admission="dynamic",  # vLLM admits against free blocks, not a reservation
+    overflow="preempt-recompute",
+    docs="docs/engines/vllm.md",
+    summary="a stock vLLM: /metrics, optional KV events (ZMQ) and startup log",
+))
