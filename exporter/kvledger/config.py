@@ -112,6 +112,8 @@ class Config:
     json_view: bool = False
     otlp_endpoint: str | None = None
     path: str = "<config>"
+    #: exporter-toolkit web-config.yml (TLS, basic auth); relative to the config file's directory
+    web_config_file: str | None = None
 
 
 # ---------------------------------------------------------------- value parsers
@@ -395,6 +397,9 @@ def config_from_mapping(data: object, file: str = "<config>") -> Config:
     if (o := top.child("otlp")) is not None:
         otlp = o.require("endpoint", _url)
         o.finish()
+    web_config_file = top.get("web_config_file", _str, None)  # type: ignore[arg-type]
+    if web_config_file is not None and file != "<config>":
+        web_config_file = str(Path(file).parent / web_config_file)
     top.seen.add("engines")
     raw_engines = top.data.get("engines") or []
     if not isinstance(raw_engines, list):
@@ -402,7 +407,7 @@ def config_from_mapping(data: object, file: str = "<config>") -> Config:
     names: set[str] = set()
     engines = tuple(_engine(_Reader(file, f"engines[{i}]", raw), names) for i, raw in enumerate(raw_engines))
     top.finish()
-    return Config(listen, interval, sharing, nvml, engines, json_view, otlp, file)
+    return Config(listen, interval, sharing, nvml, engines, json_view, otlp, file, web_config_file)
 
 
 def _bool(value: Any) -> bool:
