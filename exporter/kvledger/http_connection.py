@@ -18,6 +18,7 @@ the server's limits apply here:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -141,6 +142,10 @@ async def _read_request(conn: h11.Connection, reader: asyncio.StreamReader, writ
             conn.receive_data(data)
         elif isinstance(event, h11.Request):
             request = event
+            # h11 bounds only an incomplete head; a complete one that arrived in one read is measured here
+            size = len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers)
+            if size > limits.max_header_bytes:
+                raise _Reject(431, f"request headers larger than {limits.max_header_bytes} bytes")
             length = dict(event.headers).get(b"content-length")
             if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
                 raise _Reject(413, f"request body larger than {limits.max_body_bytes} bytes")
@@ -200,4 +205,13 @@ async def serve_connection(reader: asyncio.StreamReader, writer: asyncio.StreamW
     except (ConnectionError, TimeoutError, OSError, h11.ProtocolError) as exc:
         log.debug("connection ended: %s", exc)
     finally:
-        writer.close()
+        await close_quietly(writer)
+
+
+async def close_quietly(writer: asyncio.StreamWriter) -> None:
+    """Close and wait for the close, taking any connection error (a reset) with it so
+    asyncio never reports it as unretrieved."""
+    writer.close()
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(1.0):
+            await writer.wait_closed()

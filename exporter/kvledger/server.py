@@ -22,7 +22,7 @@ from typing import cast
 
 from kvledger.collector import Collector
 from kvledger.endpoints import TEXT, Endpoints
-from kvledger.http_connection import Request, Response, ServerLimits, serve_connection
+from kvledger.http_connection import Request, Response, ServerLimits, close_quietly, serve_connection
 from kvledger.prometheus_output import process_registry
 from kvledger.tls_context import sans_allowed
 from kvledger.web_runtime import WebRuntime
@@ -152,6 +152,7 @@ class KvledgerHTTPServer:
                     log.info("client certificate from %s has none of client_allowed_sans; closing",
                              writer.get_extra_info("peername"))
                     writer.transport.abort()
+                    await close_quietly(writer)
                     return
             else:
                 cast(asyncio.Transport, writer.transport).resume_reading()
@@ -159,6 +160,7 @@ class KvledgerHTTPServer:
         except (ssl.SSLError, ConnectionError, TimeoutError, OSError) as exc:
             log.debug("connection from %s ended: %s", writer.get_extra_info("peername"), exc)
             writer.transport.abort()
+            await close_quietly(writer)
         except asyncio.CancelledError:
             writer.transport.abort()
             raise
