@@ -304,3 +304,31 @@ def test_tls_certificate_rotation_and_reload(collector: Collector, tmp_path: Pat
         assert resp.status == 200 and resp.read() == b"kvledger is healthy.\n"
     finally:
         server.stop()
+
+
+def test_client_allowed_sans_refuses_other_certificates(collector: Collector, tmp_path: Path) -> None:
+    ca = make_ca(tmp_path, "ca")
+    server_cert = make_leaf(tmp_path, "server", ca, "IP:127.0.0.1", "serverAuth")
+    client_ca = make_ca(tmp_path, "client-ca")
+    allowed = make_leaf(tmp_path, "allowed", client_ca, "DNS:prometheus.example", "clientAuth")
+    other = make_leaf(tmp_path, "other", client_ca, "DNS:other.example", "clientAuth")
+    web = tmp_path / "web.yml"
+    web.write_text(yaml.safe_dump({"tls_server_config": {
+        "cert_file": str(server_cert[0]), "key_file": str(server_cert[1]),
+        "client_auth_type": "RequireAndVerifyClientCert", "client_ca_file": str(client_ca[0]),
+        "client_allowed_sans": ["prometheus.example"]}}))
+    server = serve(collector, web_config_file=web)
+
+    def status(cert: tuple[Path, Path]) -> int:
+        ctx = ssl.create_default_context(cafile=str(ca[0]))
+        ctx.load_cert_chain(cert[0], cert[1])
+        conn = http.client.HTTPSConnection("127.0.0.1", server.server_address[1], context=ctx, timeout=10)
+        conn.request("GET", "/-/healthy")
+        return conn.getresponse().status
+
+    try:
+        assert status(allowed) == 200
+        with pytest.raises((ssl.SSLError, ConnectionError, http.client.HTTPException)):
+            status(other)  # signed by the client CA, but none of its SANs is allowed
+    finally:
+        server.stop()
