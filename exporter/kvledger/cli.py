@@ -45,9 +45,15 @@ def _run_until_signal(
     on_stop: Callable[[], None] | None = None,
     otlp_endpoint: str | None = None,
     reload: Callable[[KvledgerHTTPServer], None] | None = None,
+    web_config_file: str | None = None,
 ) -> int:
     try:
-        server = KvledgerHTTPServer(listen, collector, json_view=json_view)
+        server = KvledgerHTTPServer(listen, collector, json_view=json_view, web_config_file=web_config_file)
+    except ConfigError:
+        collector.stop()
+        if on_stop:
+            on_stop()
+        raise
     except OSError as exc:
         log.error("cannot listen on %s: %s", listen, exc.strerror or exc)
         collector.stop()
@@ -84,7 +90,8 @@ def _run_until_signal(
         if hangup.is_set() and not stop.is_set():
             hangup.clear()
             if reload is None:
-                log.info("received SIGHUP: this command has no configuration file to reload")
+                log.info("received SIGHUP: reloading the web config (this command has no configuration file)")
+                server.reload_web_config()
             else:
                 reload(server)
     server.stop()
@@ -119,14 +126,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if new.otlp_endpoint != old.otlp_endpoint:
             log.warning("otlp.endpoint changed: a restart applies it")
         running[0] = new
-        server.json_view = new.json_view
+        server.endpoints.json_view = new.json_view
+        server.reload_web_config()  # certificates and users; the file's path is read at start
         if collector.reconfigure(sources, base, timeouts, new.sharing, new.interval_seconds, new.limits):
             log.info("configuration reloaded: %d engine(s)", len(new.engines))
         else:
             log.warning("configuration read: the polling thread is busy and applies it at its next cycle")
 
+    web_config_file = args.web_config_file or config.web_config_file  # the flag wins over the key
     return _run_until_signal(
-        collector, args.listen or config.listen, config.json_view, otlp_endpoint=config.otlp_endpoint, reload=reload
+        collector, args.listen or config.listen, config.json_view, otlp_endpoint=config.otlp_endpoint,
+        web_config_file=web_config_file, reload=reload,
     )
 
 
@@ -172,8 +182,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     collector = _collector(config, extra=[demo.gpu_source])
     print(f"kvledger demo: simulated engines {', '.join(e.name for e in demo.engine_configs)} and "
-          f"simulated GPUs; metrics on http://{args.listen}/metrics (Ctrl-C stops)", flush=True)
-    return _run_until_signal(collector, args.listen, True, on_stop=demo.stop)
+          f"simulated GPUs; metrics on {args.listen}/metrics (Ctrl-C stops)", flush=True)
+    return _run_until_signal(collector, args.listen, True, on_stop=demo.stop, web_config_file=args.web_config_file)
 
 
 def _print_table(accounts: Accounts, collector: Collector) -> None:
@@ -253,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the exporter on a configuration file")
     s.add_argument("--config", required=True)
     s.add_argument("--listen", help="HOST:PORT (overrides the config's listen)")
+    s.add_argument("--web.config.file", dest="web_config_file", metavar="PATH",
+                   help="exporter-toolkit web-config.yml: TLS and basic auth (overrides web_config_file)")
     s.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="simulated engines and GPUs, exported live; no GPU or engine needed")
@@ -261,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inject a fault into the simulator (repeatable): none, reserve-overcommit (sim-tgi), "
                         "per-request-used, leak, overflow (sim-vllm); ENGINE=MODE picks the engine")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--web.config.file", dest="web_config_file", metavar="PATH",
+                   help="exporter-toolkit web-config.yml: TLS and basic auth")
     d.add_argument("--interval", type=float, default=1.0, help="poll interval in seconds")
     d.add_argument("--sharing", default="per-request", choices=("per-request", "reference-aware"))
     d.set_defaults(func=cmd_demo)

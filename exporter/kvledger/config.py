@@ -127,6 +127,8 @@ class Config:
     otlp_endpoint: str | None = None
     path: str = "<config>"
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    #: exporter-toolkit web-config.yml (TLS, basic auth); relative to the config file's directory
+    web_config_file: str | None = None
 
 
 # ---------------------------------------------------------------- value parsers
@@ -435,6 +437,9 @@ def config_from_mapping(data: object, file: str = "<config>") -> Config:
             lim.get("label_value_length", _label_length, DEFAULT_MAX_LABEL_LENGTH),
         )
         lim.finish()
+    web_config_file = top.get("web_config_file", _str, None)  # type: ignore[arg-type]
+    if web_config_file is not None and file != "<config>":
+        web_config_file = str(Path(file).parent / web_config_file)
     top.seen.add("engines")
     raw_engines = top.data.get("engines") or []
     if not isinstance(raw_engines, list):
@@ -442,7 +447,7 @@ def config_from_mapping(data: object, file: str = "<config>") -> Config:
     names: set[str] = set()
     engines = tuple(_engine(_Reader(file, f"engines[{i}]", raw), names) for i, raw in enumerate(raw_engines))
     top.finish()
-    return Config(listen, interval, sharing, nvml, engines, json_view, otlp, file, limits)
+    return Config(listen, interval, sharing, nvml, engines, json_view, otlp, file, limits, web_config_file)
 
 
 def _response_limit(value: Any) -> int:

@@ -1,28 +1,35 @@
-"""The HTTP server: /metrics, /-/healthy, /-/ready and (opt-in) /api/v1/accounts."""
+"""The HTTP server: /metrics, /-/healthy, /-/ready and (opt-in) /api/v1/accounts.
+
+An asyncio event loop in one thread accepts connections and parks idle keep-alive ones
+(they hold no thread); h11 parses requests (kvledger.http_connection); a bounded pool
+of worker threads renders the responses and checks bcrypt passwords. TLS and basic auth
+come from an exporter-toolkit web config file (kvledger.web_config), reloaded by
+``reload_web_config()`` and whenever one of its files changes.
+"""
 
 from __future__ import annotations
 
-import gzip
-import json
+import asyncio
+import base64
+import ipaddress
 import logging
+import socket
+import ssl
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import cast
 
-
-from kvledger import __version__
 from kvledger.collector import Collector
-from kvledger.json_view import accounts_to_json
-from kvledger.prometheus_output import TEXT_CONTENT_TYPE, process_registry, render_text
+from kvledger.endpoints import TEXT, Endpoints
+from kvledger.http_connection import Request, Response, ServerLimits, close_quietly, serve_connection
+from kvledger.prometheus_output import process_registry
+from kvledger.tls_context import sans_allowed
+from kvledger.web_runtime import WebRuntime
 
 log = logging.getLogger("kvledger.server")
 
-INDEX = """<html><head><title>kvledger</title></head><body>
-<h1>kvledger {version}</h1>
-<p>One declared KV-cache accounting policy, exported to Prometheus.</p>
-<ul><li><a href="/metrics">/metrics</a></li><li><a href="/-/healthy">/-/healthy</a></li>
-<li><a href="/-/ready">/-/ready</a></li>{json}</ul></body></html>
-"""
+UNAUTHORIZED = Response(401, b"Unauthorized\n", (("Content-Type", TEXT), ("WWW-Authenticate", "Basic")))
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
@@ -31,83 +38,152 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host, int(port)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: KvledgerHTTPServer
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - stdlib signature
-        log.debug("%s - %s", self.address_string(), format % args)
-
-    def _send(self, status: int, body: bytes, content_type: str, extra: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for k, v in (extra or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def do_HEAD(self) -> None:  # noqa: N802 - stdlib name
-        self.do_GET()
-
-    def do_GET(self) -> None:  # noqa: N802 - stdlib name
-        path = urlsplit(self.path).path
-        srv = self.server
-        if path == "/metrics":
-            body = render_text(srv.collector.latest(), srv.process_registry)
-            content_type = TEXT_CONTENT_TYPE
-            extra = {}
-            if "gzip" in self.headers.get("Accept-Encoding", ""):
-                body = gzip.compress(body, compresslevel=1)
-                extra["Content-Encoding"] = "gzip"
-            self._send(200, body, content_type, extra)
-        elif path == "/-/healthy":
-            self._send(200, b"kvledger is healthy.\n", "text/plain; charset=utf-8")
-        elif path == "/-/ready":
-            if srv.collector.ready():
-                self._send(200, b"kvledger is ready.\n", "text/plain; charset=utf-8")
-            else:
-                self._send(503, b"kvledger is not ready: no accounting cycle has completed yet.\n", "text/plain; charset=utf-8")
-        elif path == "/api/v1/accounts":
-            if not srv.json_view:
-                self._send(404, b"the JSON view is disabled (json_view: true in the config enables it)\n", "text/plain; charset=utf-8")
-                return
-            body = json.dumps(accounts_to_json(srv.collector.latest(), srv.collector), indent=1).encode()
-            self._send(200, body, "application/json")
-        elif path == "/":
-            link = '<li><a href="/api/v1/accounts">/api/v1/accounts</a></li>' if srv.json_view else ""
-            self._send(200, INDEX.format(version=__version__, json=link).encode(), "text/html; charset=utf-8")
-        else:
-            self._send(404, b"not found\n", "text/plain; charset=utf-8")
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
-class KvledgerHTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
+class KvledgerHTTPServer:
+    """Binds ``listen`` at construction (OSError when it cannot; ConfigError for a bad
+    web config); ``start()`` serves in a background thread; ``stop()`` ends it."""
 
-    def __init__(self, listen: str, collector: Collector, json_view: bool = False, process_metrics: bool = True) -> None:
-        host, port = parse_listen(listen)
-        if ":" in host:
-            import socket
-
-            self.address_family = socket.AF_INET6
-        super().__init__((host, port), _Handler)
-        self.process_registry = process_registry() if process_metrics else None
+    def __init__(self, listen: str, collector: Collector, json_view: bool = False, process_metrics: bool = True,
+                 *, web_config_file: str | Path | None = None, limits: ServerLimits | None = None) -> None:
+        self.limits = limits or ServerLimits()
+        self.web = WebRuntime(web_config_file)
         self.collector = collector
         self.json_view = json_view
+        self.process_registry = process_registry() if process_metrics else None
+        self.endpoints = Endpoints(collector, self.process_registry, json_view)
+        host, port = parse_listen(listen)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.create_server((host, port), family=family, backlog=self.limits.backlog)
+        self.server_address: tuple[str, int] = self.socket.getsockname()[:2]
+        self._pool = ThreadPoolExecutor(max_workers=self.limits.workers, thread_name_prefix="kvledger-http")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.Server | None = None
         self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._connections: set[asyncio.Task[None]] = set()
+        state = self.web.state
+        if not is_loopback(host) and state.ssl_context is None and state.auth is None:
+            log.warning("listening on %s without TLS or basic auth: anyone who can reach this port can read "
+                        "the metrics (--web.config.file configures TLS and basic auth)", listen)
 
     @property
     def url(self) -> str:
-        host, port = self.server_address[:2]
-        name = host.decode() if isinstance(host, bytes) else host
-        return f"http://{name}:{port}"
+        host, port = self.server_address
+        scheme = "https" if self.web.state.ssl_context is not None else "http"
+        name = f"[{host}]" if ":" in host else host
+        return f"{scheme}://{name}:{port}"
+
+    def reload_web_config(self) -> bool:
+        """Re-read the web config file and its certificates; a bad new file is logged and
+        the old configuration kept (returns False)."""
+        return self.web.reload()
+
+    # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self.serve_forever, name="kvledger-http", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="kvledger-http", daemon=True)
         self._thread.start()
+        self._started.wait()
 
     def stop(self) -> None:
-        self.shutdown()
-        self.server_close()
+        loop = self._loop
+        if loop is not None and self._thread is not None:
+            asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(timeout=10)
+            self._thread.join(timeout=10)
+        self.socket.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._listen())
+        finally:
+            self._started.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    async def _listen(self) -> None:
+        self._server = await asyncio.start_server(self._on_connect, sock=self.socket, backlog=self.limits.backlog,
+                                                  limit=self.limits.max_header_bytes * 2)
+
+    async def _shutdown(self) -> None:
+        assert self._server is not None and self._loop is not None
+        self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        if self._connections:
+            await asyncio.wait(list(self._connections), timeout=5)
+        self._loop.call_soon(self._loop.stop)
+
+    # ------------------------------------------------------------------ connections
+
+    def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> asyncio.Future[None] | None:
+        # Not a coroutine function: called as the connection is made, so reading can be paused
+        # before any byte arrives (a TLS ClientHello must reach the TLS layer, not the reader).
+        if len(self._connections) >= self.limits.max_connections:
+            writer.transport.abort()
+            return None
+        cast(asyncio.Transport, writer.transport).pause_reading()
+        task = asyncio.ensure_future(self._serve(reader, writer))
+        self._connections.add(task)
+        task.add_done_callback(self._connections.discard)
+        return None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.web.maybe_reload()
+        state = self.web.state
+        try:
+            if state.ssl_context is not None:
+                await writer.start_tls(state.ssl_context, ssl_handshake_timeout=self.limits.header_timeout)
+                tls = state.config.tls
+                assert tls is not None
+                if not sans_allowed(tls, writer.get_extra_info("peercert")):
+                    log.info("client certificate from %s has none of client_allowed_sans; closing",
+                             writer.get_extra_info("peername"))
+                    writer.transport.abort()
+                    await close_quietly(writer)
+                    return
+            else:
+                cast(asyncio.Transport, writer.transport).resume_reading()
+            await serve_connection(reader, writer, self._handle, self.limits)
+        except (ssl.SSLError, ConnectionError, TimeoutError, OSError) as exc:
+            log.debug("connection from %s ended: %s", writer.get_extra_info("peername"), exc)
+            writer.transport.abort()
+            await close_quietly(writer)
+        except asyncio.CancelledError:
+            writer.transport.abort()
+            raise
+
+    async def _handle(self, request: Request) -> Response:
+        self.web.maybe_reload()
+        state = self.web.state
+        loop = asyncio.get_running_loop()
+        if state.auth is not None:
+            auth = state.auth
+            header = request.headers.get("authorization")
+            if not await loop.run_in_executor(self._pool, auth.check, header):
+                return self._with_headers(UNAUTHORIZED, state.config.headers)
+        response = await loop.run_in_executor(self._pool, self.endpoints.respond, request)
+        return self._with_headers(response, state.config.headers)
+
+    @staticmethod
+    def _with_headers(response: Response, extra: tuple[tuple[str, str], ...]) -> Response:
+        if not extra:
+            return response
+        return Response(response.status, response.body, response.headers + extra, response.close)
+
+
+def basic_auth_header(user: str, password: str) -> str:
+    """The Authorization header value for ``user``/``password`` (for clients and tests)."""
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
