@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
@@ -93,7 +94,10 @@ def _run_until_signal(
                 log.info("received SIGHUP: reloading the web config (this command has no configuration file)")
                 server.reload_web_config()
             else:
-                reload(server)
+                try:
+                    reload(server)
+                except Exception:  # a reload must never take the daemon down
+                    log.exception("reload failed; the running configuration is kept")
     server.stop()
     if otlp is not None:
         otlp.stop()
@@ -126,7 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if new.otlp_endpoint != old.otlp_endpoint:
             log.warning("otlp.endpoint changed: a restart applies it")
         running[0] = new
-        server.endpoints.json_view = new.json_view
+        server.endpoints = dataclasses.replace(server.endpoints, json_view=new.json_view)
         server.reload_web_config()  # certificates and users; the file's path is read at start
         if collector.reconfigure(sources, base, timeouts, new.sharing, new.interval_seconds, new.limits):
             log.info("configuration reloaded: %d engine(s)", len(new.engines))
