@@ -16,22 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvledger.model import BlockRef, Budgets, EngineFacts, PoolFacts, RequestFacts
 from kvledger.policy import EngineAccount, engine_account
+from ledger_checks import design_reservation
 
 BLOCK = 16
 MAX_NUM_SEQS = 16
-
-
-def design_reservation(p: int, o: int, b: int, *, max_model_len: int, n: int, k: int, window: int | None) -> int:
-    """R(r) of DESIGN.md section 2, in plain integers:
-    T = ceil(min(P + O + k, L) / B); R = T + (n - 1) * (T - floor(P / B));
-    with a window W: R = min(R, n * (ceil(W / B) + 1)).
-    floor(P / B) is taken at most T: a prompt longer than L (an engine rejects it) shares
-    at most the T blocks there are (DESIGN does not say; without it R could fall below T)."""
-    t = math.ceil(min(p + o + k, max_model_len) / b)
-    r = t + (n - 1) * (t - min(p // b, t))
-    if window is not None:
-        r = min(r, n * (math.ceil(window / b) + 1))
-    return r
 
 
 @st.composite

@@ -2,13 +2,12 @@ import dataclasses
 
 import pytest
 from jsonschema import Draft202012Validator
-from kvledger.policy import reservation_blocks
 from kvledger.protocol import load_schema
 from kvledger.sim.demo import demo_profiles, start_demo
 from kvledger.sim.engine import SimEngine, SimProfile
 from kvledger.sim.gpu import SimGpuSource
 from kvledger.sources.ledger import LedgerSource
-from ledger_checks import assert_consistent
+from ledger_checks import assert_consistent, design_reservation
 
 VALIDATOR = Draft202012Validator(load_schema())
 PROFILES = {p.name: p for p in demo_profiles()}
@@ -28,12 +27,14 @@ def run(name, steps, fault="none", seed=7, check_every=10, leaks_possible=False)
 
 
 def reserved_blocks(doc):
+    """Sum of R(r) over admitted requests, from DESIGN section 2 written in the tests (the
+    simulator's admission uses the policy's reservation_blocks)."""
     budgets = doc["budgets"]
     pool = doc["pools"][0]
     return sum(
-        reservation_blocks(r["prompt_tokens"], r["max_output_tokens"], pool["block_size"],
-                           max_model_len=budgets["max_model_len"], contexts=r["contexts"],
-                           speculative_slots=r["speculative_slots"], sliding_window=pool["sliding_window"])
+        design_reservation(r["prompt_tokens"], r["max_output_tokens"], pool["block_size"],
+                           max_model_len=budgets["max_model_len"], n=max(1, r["contexts"]),
+                           k=r["speculative_slots"], window=pool["sliding_window"])
         for r in doc["requests"] if r["state"] != "waiting"
     )
 
