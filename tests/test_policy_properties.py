@@ -1,19 +1,33 @@
-"""Property-based tests of the policy's invariants on random ledgers (hypothesis)."""
+"""Property-based tests of the policy on random ledgers (hypothesis).
+
+The policy's outputs are compared with an independent model written here: the physical
+state by walking every block id of the pool, reference counts taken from the requests'
+block_ids; reservations by a plain loop over the requests from the formulas of DESIGN.md
+section 2. Nothing below calls the policy's helpers to compute an expected value.
+"""
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+from dataclasses import dataclass
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kvledger.model import BlockRef, Budgets, EngineFacts, PoolFacts, RequestFacts
-from kvledger.policy import engine_account, reservation_blocks
+from kvledger.policy import EngineAccount, engine_account
+from ledger_checks import design_reservation
 
 BLOCK = 16
+MAX_NUM_SEQS = 16
 
 
 @st.composite
-def ledgers(draw: st.DrawFn, all_caps: bool = False) -> tuple[PoolFacts, list[RequestFacts], int]:
-    """A random consistent ledger: requests referencing blocks (some shared), cached blocks."""
+def ledgers(
+    draw: st.DrawFn, all_caps: bool = False, mixed_cache: bool = False
+) -> tuple[PoolFacts, list[RequestFacts], int]:
+    """A random consistent ledger: requests referencing blocks (some shared), cached blocks.
+    ``mixed_cache``: blocks in use hold cached (hashed) data or not, at random."""
     capacity = draw(st.integers(min_value=8, max_value=200))
     max_model_len = draw(st.sampled_from([256, 512, 2048]))
     window = draw(st.one_of(st.none(), st.sampled_from([64, 128])))
@@ -32,7 +46,7 @@ def ledgers(draw: st.DrawFn, all_caps: bool = False) -> tuple[PoolFacts, list[Re
         bound = "cap" if all_caps else draw(st.sampled_from(["cap", "estimate"]))
         blocks: list[int] = []
         if state == "running":
-            r = reservation_blocks(p, o, BLOCK, max_model_len=max_model_len, contexts=n, speculative_slots=k, sliding_window=window)
+            r = design_reservation(p, o, BLOCK, max_model_len=max_model_len, n=n, k=k, window=window)
             own = draw(st.integers(min_value=0, max_value=max(0, r - n_prefix) if all_caps else r + 2))
             if draw(st.booleans()) and (not all_caps or n_prefix <= r):
                 blocks.extend(prefix)
@@ -47,30 +61,115 @@ def ledgers(draw: st.DrawFn, all_caps: bool = False) -> tuple[PoolFacts, list[Re
             id=f"r{i}", state=state, prompt_tokens=p, max_output_tokens=o, output_bound=bound,  # type: ignore[arg-type]
             contexts=n, speculative_slots=k, blocks_held=len(blocks), block_ids=blocks, computed_tokens=max(0, computed)))
     # some prefix blocks not referenced by anyone stay cached (reclaimable); others freed
-    refs = [BlockRef(b, refcount.get(b, 0), True) for b in range(min(next_block, capacity)) if refcount.get(b, 0) or b < n_prefix]
+    refs = [BlockRef(b, refcount.get(b, 0), draw(st.booleans()) if mixed_cache and refcount.get(b, 0) else True)
+            for b in range(min(next_block, capacity)) if refcount.get(b, 0) or b < n_prefix]
     n_cached = draw(st.integers(min_value=0, max_value=max(0, capacity - next_block)))
     refs += [BlockRef(b, 0, True) for b in range(next_block, next_block + n_cached)]
     pool = PoolFacts(id="0", block_size=BLOCK, num_blocks=capacity, block_bytes=64, sliding_window=window, block_refs=refs)
     return pool, requests, max_model_len
 
 
-def account(pool: PoolFacts, requests: list[RequestFacts], max_model_len: int, sharing: str):  # type: ignore[no-untyped-def]
+def account(pool: PoolFacts, requests: list[RequestFacts], max_model_len: int, sharing: str) -> EngineAccount:
     e = EngineFacts(name="e", kind="ledger", source="ledger", pools=[pool], requests=requests,
-                    budgets=Budgets(max_model_len=max_model_len, max_num_seqs=16))
+                    budgets=Budgets(max_model_len=max_model_len, max_num_seqs=MAX_NUM_SEQS))
     return engine_account(e, sharing)
 
 
+@dataclass(frozen=True)
+class Walked:
+    in_use: int
+    reclaimable: int
+    free: int
+    references: int
+    shared: int
+
+
+def walk_pool(pool: PoolFacts, requests: list[RequestFacts]) -> Walked:
+    """Every block id of the pool, one by one: in use when some request references it,
+    reclaimable when none does but it holds cached data, free otherwise. References and
+    shared blocks (two or more references) are counted from the requests' block_ids."""
+    refs = Counter(b for r in requests for b in (r.block_ids or []))
+    cached = {b.block_id for b in (pool.block_refs or []) if b.cached}
+    in_use = reclaimable = free = 0
+    for block in range(pool.num_blocks):
+        if refs[block] > 0:
+            in_use += 1
+        elif block in cached:
+            reclaimable += 1
+        else:
+            free += 1
+    return Walked(in_use, reclaimable, free, sum(refs.values()), sum(1 for c in refs.values() if c >= 2))
+
+
+@dataclass(frozen=True)
+class Reserved:
+    blocks: int
+    growth_cap: int
+    growth_estimate: int
+    resident_tokens: int
+    admission_headroom: int
+
+
+def loop_reservations(
+    pool: PoolFacts, requests: list[RequestFacts], max_model_len: int, sharing: str, walked: Walked
+) -> Reserved:
+    """DESIGN.md section 2 by a plain loop over the requests (admitted = running or preempted)."""
+    b, c = pool.block_size, pool.num_blocks
+    claimed = growth_cap = growth_estimate = running = computed = 0
+    for r in requests:
+        if r.state == "running":
+            running += 1
+            computed += r.computed_tokens
+        if r.state not in ("running", "preempted"):
+            continue
+        reservation = design_reservation(r.prompt_tokens, r.max_output_tokens, b, max_model_len=max_model_len,
+                                         n=max(1, r.contexts), k=r.speculative_slots, window=pool.sliding_window)
+        held = len(r.block_ids or [])
+        claimed += max(reservation, held)
+        if r.output_bound == "estimate":
+            growth_estimate += max(0, reservation - held)
+        else:
+            growth_cap += max(0, reservation - held)
+    if sharing == "per-request":
+        reserved, resident = claimed, computed
+    else:
+        reserved = walked.in_use + growth_cap + growth_estimate
+        resident = computed - (walked.references - walked.in_use) * b
+    headroom = min(max(0, c - reserved) // math.ceil(max_model_len / b), max(0, MAX_NUM_SEQS - running))
+    return Reserved(reserved, growth_cap, growth_estimate, resident, headroom)
+
+
 @settings(max_examples=300, deadline=None)
-@given(ledgers())
-def test_physical_invariants(case: tuple[PoolFacts, list[RequestFacts], int]) -> None:
+@given(ledgers(mixed_cache=True))
+def test_physical_state_matches_a_block_by_block_walk(case: tuple[PoolFacts, list[RequestFacts], int]) -> None:
     pool, requests, L = case
-    ph = account(pool, requests, L, "per-request").pools[0].physical
-    c = pool.num_blocks
-    in_use, rec, alloc, free = (m.exact for m in (ph.in_use, ph.reclaimable, ph.allocated, ph.free))  # type: ignore[union-attr]
-    assert in_use + rec + free == c  # the partition sums to capacity
-    assert ph.references >= in_use >= ph.shared  # type: ignore[operator]
-    assert rec <= alloc <= c  # type: ignore[operator]
-    assert account(pool, requests, L, "per-request").invariant_violations == []
+    acc = account(pool, requests, L, "per-request")
+    ph = acc.pools[0].physical
+    walked = walk_pool(pool, requests)
+    got = Walked(ph.in_use.exact, ph.reclaimable.exact, ph.free.exact, ph.references, ph.shared)  # type: ignore[union-attr,arg-type]
+    assert got == walked
+    assert ph.allocated.exact == walked.in_use + walked.reclaimable  # type: ignore[union-attr]
+    assert acc.pools[0].physical_headroom_blocks.exact == walked.free + walked.reclaimable  # type: ignore[union-attr]
+    assert acc.invariant_violations == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(ledgers(mixed_cache=True), st.sampled_from(["per-request", "reference-aware"]))
+def test_reservations_match_a_plain_loop_over_the_requests(
+    case: tuple[PoolFacts, list[RequestFacts], int], sharing: str
+) -> None:
+    pool, requests, L = case
+    acc = account(pool, requests, L, sharing).pools[0]
+    want = loop_reservations(pool, requests, L, sharing, walk_pool(pool, requests))
+    got = Reserved(
+        acc.reserved_blocks.exact,  # type: ignore[union-attr,arg-type]
+        acc.pending_growth_blocks["cap"],
+        acc.pending_growth_blocks["estimate"],
+        acc.resident_tokens.exact,  # type: ignore[union-attr,arg-type]
+        acc.admission_headroom_requests.exact,  # type: ignore[union-attr,arg-type]
+    )
+    assert got == want
+    assert acc.quota_headroom_blocks.exact == pool.num_blocks - want.blocks  # type: ignore[union-attr]
 
 
 @settings(max_examples=300, deadline=None)

@@ -7,7 +7,16 @@ from grafanalib import core as g
 
 from dashboards.src import panels as p
 from dashboards.src.panels import q
-from dashboards.src.promql import ENGINE, INSTANCE, increase, rate, sel, sum_by, zero_when_absent
+from dashboards.src.promql import (
+    ENGINE,
+    INSTANCE,
+    increase,
+    labels,
+    rate,
+    sel,
+    sum_by,
+    zero_when_absent,
+)
 
 UID = "kvledger-exporter-health"
 TITLE = "kvledger / Exporter health"
@@ -52,10 +61,10 @@ def dashboard() -> g.Dashboard:
             [
                 q(
                     zero_when_absent(
-                        sum_by("instance, engine, source, reason",
+                        sum_by(labels("engine", "source", "reason"),
                                rate(sel("kvledger_source_errors_total", *IE_OR_NODE))),
                         sel("kvledger_source_up", *IE_OR_NODE),
-                        "instance, engine, source",
+                        labels("engine", "source"),
                     ),
                     "{{engine}} {{source}} {{reason}}",
                 )
@@ -90,7 +99,7 @@ def dashboard() -> g.Dashboard:
         p.timeseries(
             "KV event rate by type",
             "KV cache events received per second, by type (engines with a KV event source only).",
-            [q(sum_by("instance, engine, type", rate(sel("kvledger_kv_events_total", *IE))), "{{engine}} {{type}}")],
+            [q(sum_by(labels("engine", "type"), rate(sel("kvledger_kv_events_total", *IE))), "{{engine}} {{type}}")],
             p.PER_SECOND,
         ),
         w=8,
@@ -100,7 +109,7 @@ def dashboard() -> g.Dashboard:
             "KV event batches lost",
             "KV event batches lost (sequence gaps not replayed) per interval; a lost batch leaves the cached "
             "block set uncertain until the next resync.",
-            [q(sum_by("instance, engine", increase(sel("kvledger_kv_events_lost_total", *IE))), "{{engine}} lost")],
+            [q(sum_by(labels("engine"), increase(sel("kvledger_kv_events_lost_total", *IE))), "{{engine}} lost")],
             p.COUNT,
             axis="batches",
         ),
@@ -114,10 +123,10 @@ def dashboard() -> g.Dashboard:
             [
                 q(
                     zero_when_absent(
-                        sum_by("instance, engine, check",
+                        sum_by(labels("engine", "check"),
                                increase(sel("kvledger_ledger_invariant_violations_total", *IE))),
                         sel("kvledger_policy_info", *IE),
-                        "instance, engine",
+                        labels("engine"),
                     ),
                     "{{engine}} {{check}}",
                 )

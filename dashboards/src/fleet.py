@@ -1,4 +1,4 @@
-"""Fleet overview across nodes, from the recording rules (alerts/ defines them)."""
+"""Fleet overview across nodes, from the recording rules (monitoring/config.py defines them)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from grafanalib import core as g
 from dashboards.src import panels as p
 from dashboards.src.panels import q
 from dashboards.src.promql import ratio, sel
+from monitoring import config as mon
 
 UID = "kvledger-fleet"
 TITLE = "kvledger / Fleet overview"
@@ -18,7 +19,7 @@ def dashboard() -> g.Dashboard:
         p.stat(
             "Fleet KV capacity",
             "KV capacity summed over every pool of every engine on every node.",
-            [q(sel("kvledger:kv_capacity_bytes:sum"), "capacity")],
+            [q(sel(mon.KV_CAPACITY.record), "capacity")],
             p.BYTES,
         ),
         w=6,
@@ -30,7 +31,7 @@ def dashboard() -> g.Dashboard:
             "Fleet-wide reserved bytes over fleet-wide capacity, per basis.",
             [
                 q(
-                    ratio(sel("kvledger:kv_reserved_bytes:sum"), sel("kvledger:kv_capacity_bytes:sum"),
+                    ratio(sel(mon.KV_RESERVED.record), sel(mon.KV_CAPACITY.record),
                           "on () group_left"),
                     "{{basis}}",
                 )
@@ -45,7 +46,7 @@ def dashboard() -> g.Dashboard:
         p.stat(
             "Fleet GPU memory used / total",
             "NVML used over NVML total, summed over every GPU of the fleet.",
-            [q(ratio(sel("kvledger:gpu_memory_used_bytes:sum"), sel("kvledger:gpu_memory_total_bytes:sum")), "used")],
+            [q(ratio(sel(mon.GPU_USED.record), sel(mon.GPU_TOTAL.record)), "used")],
             p.RATIO,
             steps=(("green", None), ("orange", 0.9), ("red", 0.97)),
         ),
@@ -56,7 +57,7 @@ def dashboard() -> g.Dashboard:
         p.stat(
             "Fleet unaccounted GPU memory",
             "GPU memory no engine declared, summed over the fleet, per basis.",
-            [q(sel("kvledger:gpu_memory_unaccounted_bytes:sum"), "{{basis}}")],
+            [q(sel(mon.GPU_UNACCOUNTED.record), "{{basis}}")],
             p.BYTES,
         ),
         w=6,
@@ -69,9 +70,9 @@ def dashboard() -> g.Dashboard:
             "Fleet sums: capacity, reserved (what admitted requests may claim) and allocated (physically "
             "holding data), by basis.",
             [
-                q(sel("kvledger:kv_capacity_bytes:sum"), "capacity"),
-                q(sel("kvledger:kv_reserved_bytes:sum"), "reserved ({{basis}})"),
-                q(sel("kvledger:kv_allocated_bytes:sum"), "allocated ({{basis}})"),
+                q(sel(mon.KV_CAPACITY.record), "capacity"),
+                q(sel(mon.KV_RESERVED.record), "reserved ({{basis}})"),
+                q(sel(mon.KV_ALLOCATED.record), "allocated ({{basis}})"),
             ],
             p.BYTES,
         ),
@@ -82,7 +83,7 @@ def dashboard() -> g.Dashboard:
         p.table(
             "Most overcommitted pools",
             "The ten pools with the highest reserved / capacity ratio, by engine, pool and basis.",
-            [q("topk(10, " + sel("kvledger:kv_overcommit:ratio") + ")", table=True)],
+            [q("topk(10, " + sel(mon.KV_OVERCOMMIT.record) + ")", table=True)],
             p.RATIO,
             hide=("Time", "__name__"),
             hide_value=False,
@@ -96,8 +97,8 @@ def dashboard() -> g.Dashboard:
             "Fleet GPU memory: used vs total",
             "NVML used and total memory summed over every GPU of the fleet.",
             [
-                q(sel("kvledger:gpu_memory_total_bytes:sum"), "total"),
-                q(sel("kvledger:gpu_memory_used_bytes:sum"), "used"),
+                q(sel(mon.GPU_TOTAL.record), "total"),
+                q(sel(mon.GPU_USED.record), "used"),
             ],
             p.BYTES,
         ),
@@ -107,7 +108,7 @@ def dashboard() -> g.Dashboard:
         p.timeseries(
             "Fleet unaccounted GPU memory",
             "GPU memory no engine declared, summed over the fleet, per basis.",
-            [q(sel("kvledger:gpu_memory_unaccounted_bytes:sum"), "{{basis}}")],
+            [q(sel(mon.GPU_UNACCOUNTED.record), "{{basis}}")],
             p.BYTES,
         ),
         w=12,

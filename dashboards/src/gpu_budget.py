@@ -7,7 +7,7 @@ from grafanalib import core as g
 
 from dashboards.src import panels as p
 from dashboards.src.panels import q
-from dashboards.src.promql import ENGINE, GPU, INSTANCE, ratio, sel, sum_by
+from dashboards.src.promql import ENGINE, GPU, INSTANCE, labels, on, ratio, sel, sum_by
 
 UID = "kvledger-gpu-budget"
 TITLE = "kvledger / GPU memory budget"
@@ -63,7 +63,7 @@ def dashboard() -> g.Dashboard:
             "with where each figure comes from, summed over the engines on the GPU; the dashed line is the NVML device total. The reserve is "
             "headroom, not an allocation. Repeated per GPU so one device's terms never stack on another's.",
             [
-                q(sum_by("instance, gpu, category, source", sel("kvledger_gpu_budget_bytes", *IG)),
+                q(sum_by(labels("gpu", "category", "source"), sel("kvledger_gpu_budget_bytes", *IG)),
                   "gpu {{gpu}} {{category}} ({{source}})"),
                 q(sel("kvledger_gpu_memory_total_bytes", *IG), "gpu {{gpu}} device total"),
             ],
@@ -104,9 +104,9 @@ def dashboard() -> g.Dashboard:
             [
                 q(
                     ratio(
-                        sum_by("instance, gpu", sel("kvledger_gpu_budget_bytes", *IG)),
+                        sum_by(labels("gpu"), sel("kvledger_gpu_budget_bytes", *IG)),
                         sel("kvledger_gpu_memory_total_bytes", *IG),
-                        "on (instance, gpu)",
+                        on("gpu"),
                     ),
                     "gpu {{gpu}}",
                 )

@@ -8,7 +8,7 @@ from grafanalib import core as g
 
 from dashboards.src import panels as p
 from dashboards.src.panels import q
-from dashboards.src.promql import ENGINE, INSTANCE, ratio, sel
+from dashboards.src.promql import ENGINE, INSTANCE, on, ratio, sel
 
 UID = "kvledger-host-network"
 TITLE = "kvledger / Host and network"
@@ -41,7 +41,7 @@ def dashboard() -> g.Dashboard:
                     ratio(
                         sel("kvledger_host_buffer_bytes", *IE),
                         sel("kvledger_host_buffer_limit_bytes", *IE),
-                        "on (instance, engine) group_right",
+                        on("engine") + " group_right",
                     ),
                     "{{engine}} ({{kind}} limit)",
                 )
@@ -75,7 +75,7 @@ def dashboard() -> g.Dashboard:
                     ratio(
                         sel("kvledger_network_queue_depth", *IE),
                         sel("kvledger_network_queue_limit", *IE),
-                        "on (instance, engine) group_right",
+                        on("engine") + " group_right",
                     ),
                     "{{engine}} ({{kind}} limit)",
                 )

@@ -7,7 +7,19 @@ from grafanalib import core as g
 
 from dashboards.src import panels as p
 from dashboards.src.panels import q
-from dashboards.src.promql import ENGINE, INSTANCE, POOL, TENANT, rate, ratio, sel, sum_by
+from dashboards.src.promql import (
+    ENGINE,
+    INSTANCE,
+    POOL,
+    TENANT,
+    labels,
+    on,
+    rate,
+    ratio,
+    sel,
+    sum_by,
+)
+from monitoring import config as mon
 
 UID = "kvledger-kv-ledger"
 TITLE = "kvledger / KV ledger"
@@ -96,14 +108,8 @@ def _overcommit_row(grid: p.Grid) -> None:
             "Reserved bytes over capacity. Above 100% under admission=reserve-cap is a broken promise; under "
             "admission=dynamic it predicts preemptions.",
             [
-                q(
-                    ratio(
-                        sel("kvledger_kv_reserved_bytes", *EP),
-                        sel("kvledger_kv_capacity_bytes", *EP),
-                        "ignoring (basis) group_left",
-                    ),
-                    f"{EPL} ({{{{basis}}}})",
-                )
+                # The recorded ratio (monitoring/config.py), not the division written again.
+                q(sel(mon.KV_OVERCOMMIT.record, *EP), f"{EPL} ({{{{basis}}}})")
             ],
             p.RATIO,
             steps=(("green", None), ("orange", 0.9), ("red", 1.0)),
@@ -117,9 +123,9 @@ def _overcommit_row(grid: p.Grid) -> None:
             "Preemptions reported by the engine and admission re-checks after a request raised its bound, per "
             "second.",
             [
-                q(sum_by("instance, engine", rate(sel("kvledger_preemptions_total", INSTANCE, ENGINE))),
+                q(sum_by(labels("engine"), rate(sel("kvledger_preemptions_total", INSTANCE, ENGINE))),
                   "{{engine}} preemptions"),
-                q(sum_by("instance, engine, result", rate(sel("kvledger_admission_rechecks_total", INSTANCE, ENGINE))),
+                q(sum_by(labels("engine", "result"), rate(sel("kvledger_admission_rechecks_total", INSTANCE, ENGINE))),
                   "{{engine}} re-check {{result}}"),
             ],
             p.PER_SECOND,
@@ -261,9 +267,9 @@ def _bounds_row(grid: p.Grid) -> None:
             "Requests whose output exceeded an estimated bound, and reservations found with no live request, "
             "per second.",
             [
-                q(sum_by("instance, engine", rate(sel("kvledger_reservation_overflows_total", INSTANCE, ENGINE))),
+                q(sum_by(labels("engine"), rate(sel("kvledger_reservation_overflows_total", INSTANCE, ENGINE))),
                   "{{engine}} overflows"),
-                q(sum_by("instance, engine", rate(sel("kvledger_reservation_leaks_total", INSTANCE, ENGINE))),
+                q(sum_by(labels("engine"), rate(sel("kvledger_reservation_leaks_total", INSTANCE, ENGINE))),
                   "{{engine}} leaks"),
             ],
             p.PER_SECOND,
@@ -320,9 +326,9 @@ def _tenants_row(grid: p.Grid) -> None:
             [
                 q(
                     ratio(
-                        sum_by("instance, engine", sel("kvledger_tenant_quota_bytes", INSTANCE, ENGINE)),
-                        sum_by("instance, engine", sel("kvledger_kv_capacity_bytes", INSTANCE, ENGINE)),
-                        "on (instance, engine)",
+                        sum_by(labels("engine"), sel("kvledger_tenant_quota_bytes", INSTANCE, ENGINE)),
+                        sum_by(labels("engine"), sel("kvledger_kv_capacity_bytes", INSTANCE, ENGINE)),
+                        on("engine"),
                     ),
                     "{{engine}}",
                 )

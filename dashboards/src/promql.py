@@ -1,27 +1,25 @@
 """PromQL building blocks shared by every dashboard.
 
 Metric names are checked against the catalogue (kvledger.catalog) and the recording
-rules written by alerts/ when a query is built, so a dashboard cannot name a metric
-the exporter does not define. Selectors, rate windows and safe ratios are written
-once here.
+rules of monitoring/config.py when a query is built, so a dashboard cannot name a metric
+the exporter does not define nor a recorded series no rule records. The join keys
+(``monitoring.config.TARGET_LABELS``) and the recording rules come from that one module,
+shared with alerts/; rate windows, safe ratios and the template-variable matchers are
+written once here.
 """
 
 from __future__ import annotations
 
 from kvledger.catalog import BY_NAME
 
-# Recording rules (alerts/ defines them; dashboards only read them).
-RECORDING_RULES: frozenset[str] = frozenset(
-    {
-        "kvledger:kv_capacity_bytes:sum",
-        "kvledger:kv_reserved_bytes:sum",
-        "kvledger:kv_allocated_bytes:sum",
-        "kvledger:kv_overcommit:ratio",
-        "kvledger:gpu_memory_unaccounted_bytes:sum",
-        "kvledger:gpu_memory_used_bytes:sum",
-        "kvledger:gpu_memory_total_bytes:sum",
-    }
-)
+from monitoring import config as mon
+
+# Recording rules (monitoring/config.py defines them, alerts/ writes them; dashboards only read them).
+RECORDING_RULES: frozenset[str] = mon.RECORDED
+
+# Per-daemon label lists and vector matching (the target labels, then these).
+labels = mon.labels
+on = mon.on
 
 RATE_INTERVAL = "$__rate_interval"
 
@@ -42,9 +40,7 @@ def known(name: str) -> str:
 
 def sel(name: str, *matchers: str) -> str:
     """A vector selector: ``name{m1, m2}`` (no braces when there is no matcher)."""
-    known(name)
-    parts = [m for m in matchers if m]
-    return f"{name}{{{', '.join(parts)}}}" if parts else name
+    return mon.selector(known(name), *matchers)
 
 
 def rate(selector: str) -> str:

@@ -41,7 +41,7 @@ class EventBatch:
         return list(self.batch[1])
 
     def as_json_record(self) -> dict[str, Any]:
-        """The line format of tests/fixtures/vllm_real/*-kv-events.jsonl."""
+        """The line format of tests/fixtures/vllm/*-kv-events.jsonl."""
         return {"topic": self.topic, "seq": self.seq, "batch": self.batch}
 
 
