@@ -7,7 +7,7 @@ STAMP   = $(VENV)/.installed
 SUDO    = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 LISTEN ?= 127.0.0.1:9477
 
-.PHONY: demo test test-fast test-vllm system-deps venv dashboards dashboards-check alerts previews bench clean
+.PHONY: demo test test-fast test-vllm system-deps venv dashboards dashboards-check alerts previews bench clean golden
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,10 @@ alerts: $(STAMP)
 
 previews: $(STAMP) system-deps
 	$(PY) dashboards/render_previews.py
+
+# Regenerate the whole-/metrics golden file (tests/fixtures/metrics.golden.prom); read the diff.
+golden: $(STAMP)
+	KVLEDGER_REGEN=1 $(PY) -m pytest -q tests/test_metrics_golden.py
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py

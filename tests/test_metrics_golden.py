@@ -1,0 +1,42 @@
+"""The whole /metrics page, node_exporter style: a deterministic snapshot covering every
+catalogue family is rendered and compared line for line with a committed file.
+
+Regenerate after an intended change (and read the diff before committing it):
+
+    make golden        # or: KVLEDGER_REGEN=1 .venv/bin/python -m pytest tests/test_metrics_golden.py -q
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+
+from kvledger.catalog import CATALOG
+from kvledger.policy import compute_accounts
+from kvledger.prometheus_output import render_text
+from test_exposition import rich_snapshot
+
+GOLDEN = Path(__file__).parent / "fixtures" / "metrics.golden.prom"
+REGEN = os.environ.get("KVLEDGER_REGEN") == "1"
+
+
+def rendered() -> str:
+    accounts = compute_accounts(rich_snapshot())
+    accounts.invariant_totals = {("sim", "partition"): 1}
+    accounts.labels_limited = {("sim", "tenant", "dropped"): 3}
+    return render_text(accounts).decode()
+
+
+def test_metrics_page_matches_the_golden_file() -> None:
+    text = rendered()
+    if REGEN:
+        GOLDEN.write_text(text)
+    expected = GOLDEN.read_text()
+    diff = "".join(difflib.unified_diff(expected.splitlines(True), text.splitlines(True), "golden", "rendered", n=1))
+    assert not diff, f"/metrics changed; if intended, regenerate with `make golden`:\n{diff[:6000]}"
+
+
+def test_golden_file_covers_every_family() -> None:
+    text = GOLDEN.read_text()
+    assert [m.name for m in CATALOG if f"\n{m.name}{{" not in text and f"\n{m.name} " not in text] == []
