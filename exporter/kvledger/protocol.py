@@ -447,12 +447,13 @@ def facts_from_document(doc: object, engine_name: str, *, default_kind: str = "l
     for i, req in enumerate(requests):
         if req.pool not in capacity:
             raise ProtocolError(f"requests[{i}].pool", f"no pool with id {json.dumps(req.pool)}")
-        held = len(req.block_ids) if req.block_ids is not None else req.blocks_held
-        if held > capacity[req.pool] or req.blocks_held > capacity[req.pool]:
-            field_name = "blocks_held" if req.blocks_held > capacity[req.pool] else "block_ids"
+        cap = capacity[req.pool]
+        if req.blocks_held > cap or (req.block_ids is not None and len(req.block_ids) > cap):
+            ids_over = req.block_ids is not None and len(req.block_ids) > cap
+            held = len(req.block_ids) if ids_over and req.block_ids is not None else req.blocks_held
             raise ProtocolError(
-                f"requests[{i}].{field_name}",
-                f"holds {max(held, req.blocks_held)} blocks, more than pool {json.dumps(req.pool)} has ({capacity[req.pool]})",
+                f"requests[{i}].{'block_ids' if ids_over else 'blocks_held'}",
+                f"holds {held} blocks, more than pool {json.dumps(req.pool)} has ({cap})",
             )
         if req.id in request_ids:
             raise ProtocolError(f"requests[{i}].id", f"duplicate request id {json.dumps(req.id)}")
