@@ -16,8 +16,8 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from kvledger.config import EngineConfig
-from kvledger.policy import compute_accounts
 from kvledger.model import Snapshot
+from kvledger.policy import compute_accounts
 from kvledger.sources.base import SourceError
 from kvledger.sources.vllm_metrics import USAGE_CHECK, vllm_facts_from_metrics
 
@@ -51,7 +51,8 @@ def mutated_captures(draw: st.DrawFn) -> str:
             lines[i] = f"{m['series']} {draw(st.sampled_from(VALUES))}{m['rest']}"
         elif kind == 2:  # a cache_config_info label or any label value mangled
             infos = [i for i, line in enumerate(lines) if line.startswith("vllm:cache_config_info{")]
-            targets = infos if infos and draw(st.booleans()) else [i for i in samples if "{" in lines[i]]
+            prefer_info: bool = draw(st.booleans())
+            targets = infos if infos and prefer_info else [i for i in samples if "{" in lines[i]]
             if targets:
                 i = draw(st.sampled_from(targets))
                 labels = list(_LABEL.finditer(lines[i]))
@@ -96,7 +97,7 @@ BASE = CAPTURES["vllm-0.32-like.txt"]
 
 
 def _with_value(metric: str, value: str) -> str:
-    return re.sub(rf"^({re.escape(metric)}\{{[^}}]*\}}) \S+", rf"\1 {value}", BASE, flags=re.M)
+    return re.sub(rf"^({re.escape(metric)}\{{[^}}]*\}}) \S+", rf"\1 {value}", BASE, flags=re.MULTILINE)
 
 
 def _with_label(label: str, value: str) -> str:

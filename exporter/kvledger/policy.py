@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 
 from kvledger.blockrefs import BlockRefArray
-
 from kvledger.model import (
     BUDGET_CATEGORIES,
     COUNTER_NAMES,

@@ -148,13 +148,9 @@ def _show(value: object) -> str:
 
 def _int(value: object, path: str, minimum: int = 0, maximum: int = MAX_SAFE_INT) -> int:
     """An integer value in [minimum, maximum]; an integral float (2.0) counts as one."""
-    n: int | float
-    if type(value) is int:
-        n = value
-    elif type(value) is float and math.isfinite(value) and value.is_integer():
-        n = value
-    else:
+    if not (type(value) is int or (type(value) is float and math.isfinite(value) and value.is_integer())):
         raise ProtocolError(path, f"expected integer, got {_show(value)}")
+    n: int | float = value  # type: ignore[assignment]
     if n < minimum:
         raise ProtocolError(path, f"must be >= {minimum}, got {_show(value)}")
     if n > maximum:
