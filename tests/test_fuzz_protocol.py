@@ -119,7 +119,7 @@ def mutated_documents(draw: st.DrawFn) -> dict[str, Any]:
     doc = draw(documents())
     for _ in range(draw(st.integers(1, 3))):
         kind = draw(st.integers(0, 3))
-        if kind == 0 and doc["pools"] and isinstance(doc["pools"], list):
+        if kind == 0 and isinstance(doc.get("pools"), list) and doc["pools"]:
             pool = draw(st.sampled_from([p for p in doc["pools"] if isinstance(p, dict)] or [{}]))
             pool[draw(st.sampled_from(POOL_INTS))] = draw(_extremes)
         elif kind == 1 and isinstance(doc.get("requests"), list) and doc["requests"]:

@@ -150,6 +150,14 @@ def test_usage_outside_unit_interval_is_unknown_and_counted(usage: str) -> None:
     )
 
 
+@pytest.mark.parametrize("rank", ["9" * 5000, "\u00b2", "01", "1024", "-1", "x"])
+def test_rank_label_must_be_a_small_rank(rank: str) -> None:
+    # int() of 5,000 digits raised ValueError (reason "internal"); '\u00b2'.isdigit() is True but int() fails
+    with pytest.raises(SourceError) as err:
+        vllm_facts_from_metrics(BASE.replace('engine="0"', f'engine="{rank}"'), CFG)
+    assert err.value.reason == "parse" and "is not a data-parallel rank (0..1023)" in str(err.value)
+
+
 def test_usage_within_range_is_exported() -> None:
     facts = vllm_facts_from_metrics(_with_value("vllm:kv_cache_usage_perc", "1.0"), CFG)
     assert facts.pools[0].in_use == facts.pools[0].num_blocks and facts.pools[0].source_violations == ()

@@ -21,7 +21,8 @@ Every value read is validated (``kvledger.limits``): ``cache_config_info`` label
 integers in range (``block_size`` 1..2**30, ``num_gpu_blocks`` at most 2**32 per rank,
 ``kv_cache_memory_bytes`` at most 2**53 - 1, capacity bytes and tokens at most 2**53 - 1),
 gauges and counters finite, request counts whole and counters non-negative; anything else
-is ``SourceError("parse")`` naming the metric with its labels, or the label. A KV usage
+is ``SourceError("parse")`` naming the metric with its labels, or the label; the
+``engine`` label must be a data-parallel rank, 0..1023 written canonically. A KV usage
 outside [0, 1] (190 of 127 blocks) is no parse error but an impossible reading: that
 pool's ``in_use`` and the engine's claim are left unknown and the check
 ``kv_cache_usage_in_range`` is reported violated (``PoolFacts.source_violations``).
@@ -41,6 +42,7 @@ from kvledger.sources.base import SourceError
 from kvledger.sources.prom_text import Exposition, Sample, finite, parse_exposition, samples
 
 USAGE_CHECK = "kv_cache_usage_in_range"
+MAX_DP_RANK = 1023  # the `engine` label: a data-parallel rank
 
 USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # newest first
 RUNNING = ("vllm:num_requests_running",)
@@ -103,6 +105,14 @@ def _series(name: str, s: Sample) -> str:
 def _validate_values(exp: Exposition) -> None:
     """Every value this module reads: finite; request counts whole and >= 0; counters >= 0;
     all at most 2**53 - 1. SourceError("parse") names the metric and its labels."""
+    for name in (CACHE_CONFIG, next((n for n in USAGE if n in exp), CACHE_CONFIG)):
+        for s in exp.get(name, []):
+            rank = s.labels.get(RANK_LABEL)
+            n = None if rank is None else _small_int(rank, 4)
+            if rank is not None and (n is None or n > MAX_DP_RANK or str(n) != rank):
+                raise SourceError(
+                    "parse", f"{_series(name, s)}: label {RANK_LABEL}={_quote(rank)} is not a data-parallel rank (0..{MAX_DP_RANK})"
+                )
     checks: list[tuple[tuple[str, ...], str]] = [
         (USAGE, "finite"),
         (RUNNING, "count"),
@@ -132,14 +142,21 @@ def _validate_values(exp: Exposition) -> None:
             raise SourceError("parse", f"{_series(name, s)}: value {v!r} {problem}")
 
 
+def _small_int(text: str, digits: int) -> int | None:
+    """The value of a short ASCII decimal label (never int() of 5,000 digits or of '²')."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= digits else None
+
+
 def _rank_key(rank: str | None) -> tuple[int, str]:
     r = rank or "0"
-    return (int(r), r) if r.isdigit() else (1 << 30, r)
+    n = _small_int(r, 4)
+    return (n, r) if n is not None else (1 << 30, r)
 
 
 def _pid_key(pid: str | None) -> tuple[int, str]:
     p = pid or ""
-    return (int(p), p) if p.isdigit() else (1 << 62, p)
+    n = _small_int(p, 18)
+    return (n, p) if n is not None else (1 << 62, p)
 
 
 def _live_pid(exp: Exposition, rank: str) -> str | None:
