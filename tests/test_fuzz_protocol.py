@@ -19,7 +19,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from kvledger.limits import MAX_REQUESTS, MAX_SAFE_INT, MAX_TOKENS
-from kvledger.protocol import ProtocolError, facts_from_document, facts_from_json, schema_errors
+from kvledger.protocol import ProtocolError, _request_checked, _request_fast, facts_from_document, facts_from_json, schema_errors
 
 from fuzz_support import EXTREMES, FUZZ, assert_exports_cleanly, assert_facts_in_range
 
@@ -285,3 +285,25 @@ def test_limits_make_the_worst_document_safe_to_account() -> None:
     accounts = assert_exports_cleanly(facts)
     reserved = accounts.engines[0].pools[0].reserved_blocks
     assert reserved is not None and reserved.exact is not None and reserved.exact > 0  # no int64 wrap-around
+
+
+_request_values = st.one_of(_extremes, st.integers(-3, 2**31), st.sampled_from(["running", "waiting", "cap", "estimate", "0", "r"]),
+                            st.lists(st.sampled_from([0, 1, -1, 2**53, 2**53 - 1, 2**64, 1.0, True]), max_size=4))
+
+
+@FUZZ
+@given(st.fixed_dictionaries(
+    {"id": st.one_of(st.just("r"), _request_values), "state": st.one_of(st.just("running"), _request_values),
+     "prompt_tokens": st.one_of(st.just(1), _request_values), "max_output_tokens": st.one_of(st.just(1), _request_values)},
+    optional={k: _request_values for k in (*REQUEST_INTS[2:], "output_bound", "pool", "tenant", "block_ids")},
+))
+def test_fuzz_fast_and_checked_request_paths_agree_on_extremes(raw: dict[str, Any]) -> None:
+    fast = _request_fast(raw, "0")
+    try:
+        checked = _request_checked(raw, "requests[0]", "0")
+    except ProtocolError:
+        assert fast is None, raw  # the fast path never accepts what the checked path rejects
+        event("rejected")
+        return
+    event("fast path" if fast is not None else "checked path")
+    assert fast is None or fast == checked

@@ -504,7 +504,12 @@ class KvEventSubscriber:
                         frames = self._sub.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self._on_frames(frames)
+                    try:
+                        self._on_frames(frames)
+                    except Exception:  # a decoder bug must not stop the thread: counted and logged
+                        with self.ledger._lock:
+                            self.ledger.decode_errors += 1
+                        log.exception("KV event message not processed (counted as a decode error)")
         except zmq.ZMQError as exc:
             self._error = f"ZMQ error on {self.endpoint}: {exc}"
             log.warning("KV event subscriber stopped: %s", self._error)
