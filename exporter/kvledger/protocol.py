@@ -329,12 +329,12 @@ def _request_fast(r: dict[str, Any], default_pool: str) -> RequestFacts | None:
         return None
     if type(output) is not int or not 0 <= output <= MAX_TOKENS:
         return None
-    out = RequestFacts(id=rid, state=state, prompt_tokens=prompt, max_output_tokens=output)
+    out = RequestFacts(id=rid, state=state, prompt_tokens=prompt, max_output_tokens=output)  # type: ignore[arg-type]
     bound = get("output_bound")
     if bound is not None:
         if type(bound) is not str or bound not in _BOUNDS:
             return None
-        out.output_bound = bound
+        out.output_bound = bound  # type: ignore[assignment]
     pool = get("pool")
     if pool is not None and type(pool) is not str:
         return None
@@ -494,8 +494,8 @@ def facts_from_document(doc: object, engine_name: str, *, default_kind: str = "l
             )
 
     tenants: list[TenantQuota] = []
-    if (t := d.get("tenants")) is not None:
-        for i, raw in enumerate(_arr(t, "tenants")):
+    if (raw_tenants := d.get("tenants")) is not None:
+        for i, raw in enumerate(_arr(raw_tenants, "tenants")):
             path = f"tenants[{i}]"
             q = _obj(raw, path)
             tenants.append(TenantQuota(_req(q, "name", path, _str), _req(q, "quota_bytes", path, _int)))

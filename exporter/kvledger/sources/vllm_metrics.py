@@ -122,10 +122,10 @@ def _validate_values(exp: Exposition) -> None:
         (PREFIX_HITS, "counter"),
     ]
     for names, kind in checks:
-        name = next((n for n in names if n in exp), None)
-        if name is None:
+        present = next((n for n in names if n in exp), None)
+        if present is None:
             continue
-        for s in exp[name]:
+        for s in exp[present]:
             v = s.value
             if not math.isfinite(v):
                 problem = "is not finite"
@@ -139,7 +139,7 @@ def _validate_values(exp: Exposition) -> None:
                 problem = "is not a whole number of requests"
             else:
                 continue
-            raise SourceError("parse", f"{_series(name, s)}: value {v!r} {problem}")
+            raise SourceError("parse", f"{_series(present, s)}: value {v!r} {problem}")
 
 
 def _small_int(text: str, digits: int) -> int | None:
