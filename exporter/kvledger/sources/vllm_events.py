@@ -27,13 +27,23 @@ with its own sequence numbers. Per rank the ledger keeps a Counter of block hash
 
 Only GPU-medium events (``medium`` "GPU" or absent) change the multiset; every decoded
 event is counted by type (BlockStored, BlockRemoved, AllBlocksCleared, other).
+
+Untrusted input is bounded: a payload over ``MAX_PAYLOAD_BYTES``, an array over
+``MAX_ARRAY_LEN`` items (hashes, token ids), a map over ``MAX_MAP_LEN`` keys, a hash
+nested deeper than one array, a dp_rank above ``MAX_DP_RANK`` or a negative live sequence
+number is a decode error (counted in ``decode_errors``, the batch counted lost, the
+counts distrusted); a rank whose multiset would exceed ``MAX_TRACKED_BLOCKS`` distinct
+hashes is cleared and distrusted (counted in ``overflows``) instead of growing without
+bound. Decoding raises only ``EventDecodeError``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import re
+import reprlib
 import threading
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
@@ -48,6 +58,16 @@ log = logging.getLogger(__name__)
 KNOWN_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 END_SEQ = -1
 GPU_MEDIA = (None, "GPU", "gpu", "cuda")
+#: bounds on untrusted payloads (vLLM's batches per scheduler step are far smaller)
+MAX_PAYLOAD_BYTES = 4 << 20
+MAX_ARRAY_LEN = 1 << 20
+MAX_MAP_LEN = 1 << 10
+MAX_DP_RANK = 1023
+#: distinct cached hashes kept per rank (a GPU pool has far fewer blocks)
+MAX_TRACKED_BLOCKS = 1 << 22
+
+_brief = reprlib.Repr()
+_brief.maxlevel, _brief.maxstring, _brief.maxother, _brief.maxlist, _brief.maxdict = 3, 40, 40, 6, 4
 
 ReplayFn = Callable[[int, int], Iterable[tuple[int, bytes]]]  # (rank, start_seq) -> (seq, payload)...
 
@@ -75,14 +95,16 @@ class EventBatch:
     dp_rank: int
 
 
-def _hashable(h: Any) -> Hashable:
+def _scalar_hash(h: Any) -> Hashable:
     if isinstance(h, (int, bytes, str)) and not isinstance(h, bool):
         return h
-    if isinstance(h, (bytearray, memoryview)):
-        return bytes(h)
-    if isinstance(h, list):  # some builds encode composite hashes as arrays
-        return tuple(_hashable(x) for x in h)
-    raise EventDecodeError(f"block hash of unexpected type {type(h).__name__}: {h!r}")
+    raise EventDecodeError(f"block hash of unexpected type {type(h).__name__}: {_brief.repr(h)}")
+
+
+def _hashable(h: Any) -> Hashable:
+    if isinstance(h, list):  # some builds encode composite hashes as (flat) arrays
+        return tuple(_scalar_hash(x) for x in h)
+    return _scalar_hash(h)
 
 
 def _hash_list(raw: Any, what: str) -> tuple[Hashable, ...]:
@@ -116,7 +138,7 @@ def decode_event(raw: Any) -> KvEvent:
     if isinstance(raw, list) and raw:
         kind = _opt_str(raw[0])
         if kind is None:
-            raise EventDecodeError(f"event array whose first element is not a type name: {raw[0]!r}")
+            raise EventDecodeError(f"event array whose first element is not a type name: {_brief.repr(raw[0])}")
         if kind == "BlockStored":
             # [tag, hashes, parent, token_ids, block_size, lora_id?, medium?, ...]
             medium = _opt_str(raw[6]) if len(raw) > 6 else None
@@ -126,29 +148,38 @@ def decode_event(raw: Any) -> KvEvent:
             medium = _opt_str(raw[2]) if len(raw) > 2 else None
             return KvEvent(kind, _hash_list(raw[1] if len(raw) > 1 else None, kind), medium)
         return KvEvent(kind)
-    raise EventDecodeError(f"event is neither a tagged array nor a map: {raw!r:.80}")
+    raise EventDecodeError(f"event is neither a tagged array nor a map: {_brief.repr(raw)}")
 
 
 def decode_batch(payload: bytes) -> EventBatch:
     """A msgpack batch ``[ts, [events], dp_rank?]`` (a map with ts/events/data_parallel_rank also accepted)."""
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise EventDecodeError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
     try:
-        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        raw = msgpack.unpackb(
+            payload,
+            raw=False,
+            strict_map_key=False,
+            max_array_len=MAX_ARRAY_LEN,
+            max_map_len=MAX_MAP_LEN,
+        )
     except (msgpack.UnpackException, ValueError, TypeError) as exc:
-        raise EventDecodeError(f"payload is not msgpack: {exc}") from None
+        raise EventDecodeError(f"payload is not msgpack: {str(exc)[:200] or type(exc).__name__}") from None
     if isinstance(raw, dict):
         ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
     elif isinstance(raw, list) and len(raw) >= 2:
         ts, events = raw[0], raw[1]
         rank = raw[2] if len(raw) > 2 else None
     else:
-        raise EventDecodeError(f"batch is not [ts, [events], dp_rank]: {raw!r:.80}")
+        raise EventDecodeError(f"batch is not [ts, [events], dp_rank]: {_brief.repr(raw)}")
     if not isinstance(events, list):
         raise EventDecodeError(f"batch events is {type(events).__name__}, expected an array")
     if rank is None:
         rank = 0
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise EventDecodeError(f"batch dp_rank is not a non-negative integer: {rank!r}")
-    return EventBatch(float(ts) if isinstance(ts, (int, float)) else None,
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= MAX_DP_RANK:
+        raise EventDecodeError(f"batch dp_rank is not an integer in [0, {MAX_DP_RANK}]: {_brief.repr(rank)}")
+    stamp = float(ts) if isinstance(ts, (int, float)) and not isinstance(ts, bool) else None
+    return EventBatch(stamp if stamp is not None and math.isfinite(stamp) else None,
                       tuple(decode_event(e) for e in events), rank)
 
 
@@ -172,6 +203,7 @@ class KvEventsSnapshot:
     decode_errors: int
     reasons: dict[int, str]  # why a rank's count is unknown
     received: int  # live batches received on the SUB socket (replayed ones not included)
+    overflows: int = 0  # ranks cleared for holding more than MAX_TRACKED_BLOCKS hashes
 
 
 class KvEventLedger:
@@ -185,6 +217,7 @@ class KvEventLedger:
         self.restarts = 0
         self.decode_errors = 0
         self.received = 0
+        self.overflows = 0
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ inputs
@@ -193,6 +226,8 @@ class KvEventLedger:
         with self._lock:
             self.received += 1
             try:
+                if seq < 0:
+                    raise EventDecodeError(f"negative sequence number {seq}")
                 batch = decode_batch(payload)
             except EventDecodeError as exc:
                 self.decode_errors += 1
@@ -331,6 +366,11 @@ class KvEventLedger:
             if ev.type == "BlockStored":
                 for h in ev.hashes:
                     st.blocks[(ev.group, h)] += 1
+                if len(st.blocks) > MAX_TRACKED_BLOCKS:
+                    self.overflows += 1
+                    st.blocks.clear()
+                    st.first_ts = None
+                    self._distrust(st, f"more than {MAX_TRACKED_BLOCKS} distinct cached blocks: count dropped")
             elif ev.type == "BlockRemoved":
                 for h in ev.hashes:
                     key = (ev.group, h)
@@ -358,7 +398,7 @@ class KvEventLedger:
                 if not st.trusted:
                     reasons[rank] = st.reason or "unknown"
             return KvEventsSnapshot(cached, dict(self._types), self.lost, self.restarts, self.decode_errors,
-                                    reasons, self.received)
+                                    reasons, self.received, self.overflows)
 
 
 # ---------------------------------------------------------------- sockets
@@ -464,7 +504,12 @@ class KvEventSubscriber:
                         frames = self._sub.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self._on_frames(frames)
+                    try:
+                        self._on_frames(frames)
+                    except Exception:  # a decoder bug must not stop the thread: counted and logged
+                        with self.ledger._lock:
+                            self.ledger.decode_errors += 1
+                        log.exception("KV event message not processed (counted as a decode error)")
         except zmq.ZMQError as exc:
             self._error = f"ZMQ error on {self.endpoint}: {exc}"
             log.warning("KV event subscriber stopped: %s", self._error)
