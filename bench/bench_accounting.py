@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from kvledger.blockrefs import BlockRefArray  # noqa: E402
-from kvledger.model import Snapshot  # noqa: E402
+from kvledger.facts import Snapshot  # noqa: E402
 from kvledger.policy import compute_accounts  # noqa: E402
 from workload import engine_facts  # noqa: E402
 

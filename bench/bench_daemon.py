@@ -18,7 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvledger.ledger_server import serve_http
+from kvledger.integration.document_server import serve_http
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_protocol import build  # noqa: E402

@@ -11,7 +11,7 @@ import time
 
 import msgpack
 
-from kvledger.sources.vllm_events import KvEventLedger
+from kvledger.sources.vllm.events_state import KvEventState
 
 BUDGET = 500_000
 
@@ -43,7 +43,7 @@ def batches(n_batches: int, hashes_per_event: int, encoding: str, seed: int = 5)
 def main() -> None:
     for encoding in ("array", "map"):
         payloads, blocks = batches(5_000, 16, encoding)
-        ledger = KvEventLedger()
+        ledger = KvEventState()
         t = time.perf_counter()
         for seq, payload in enumerate(payloads):
             ledger.receive(seq, payload)

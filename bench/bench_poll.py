@@ -27,7 +27,7 @@ from pathlib import Path
 import orjson
 
 from kvledger.config import EngineConfig
-from kvledger.ledger_server import serve_http
+from kvledger.integration.document_server import serve_http
 from kvledger.policy import engine_account
 from kvledger.protocol import facts_from_document
 from kvledger.sources.ledger import LedgerSource, fetch

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from kvledger.model import (
+from kvledger.facts import (
     BlockRef, Budgets, EngineFacts, GpuFacts, GpuProcess, HostFacts, Limit, MemoryTerm, PoolFacts,
     RequestFacts, Snapshot, SourceHealth, TenantQuota,
 )

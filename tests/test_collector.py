@@ -8,7 +8,7 @@ import time
 import urllib.request
 
 from kvledger.collector import Collector
-from kvledger.model import EngineFacts, PoolFacts
+from kvledger.facts import EngineFacts, PoolFacts
 from kvledger.server import KvledgerHTTPServer
 from kvledger.sources.base import Contribution, EngineContribution, Source, SourceError, SubsourceReport
 

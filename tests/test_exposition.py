@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exposition_lint import lint_exposition
 from kvledger.catalog import CATALOG
-from kvledger.model import (
+from kvledger.facts import (
     BlockRef, Budgets, EngineFacts, GpuFacts, GpuProcess, HostFacts, Limit, MemoryTerm, PoolFacts,
     RequestFacts, Snapshot, SourceHealth, TenantQuota,
 )

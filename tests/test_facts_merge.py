@@ -9,7 +9,7 @@ from kvledger.config import (
     EngineConfig, HostConfig, LimitConfig, MemoryConfig, ProcessMatch, SizeWithSource, TenantConfig,
 )
 from kvledger.facts_merge import configured_facts, merge
-from kvledger.model import Budgets, EngineFacts, HostFacts, Limit, MemoryTerm, TenantQuota
+from kvledger.facts import Budgets, EngineFacts, HostFacts, Limit, MemoryTerm, TenantQuota
 
 
 def cfg(**kw: object) -> EngineConfig:

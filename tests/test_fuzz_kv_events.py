@@ -1,9 +1,9 @@
-"""Fuzzing the KV-event decoder and replay state machine (vllm_events.py, no sockets).
+"""Fuzzing the KV-event decoder and replay state machine (sources/vllm/events_wire.py and events_state.py, no sockets).
 
 Payloads: random msgpack-able structures, random bytes, and mutations of valid batches in
 both encodings (tagged arrays, 0.10-0.12; maps with "type", current), including the
 captured vLLM 0.32 stream. Each case: ``decode_batch`` raises only EventDecodeError;
-``KvEventLedger.receive`` never raises (the subscriber thread must survive anything),
+``KvEventState.receive`` never raises (the subscriber thread must survive anything),
 its snapshot holds only counts in range, and the counts merged into an engine's facts
 account and render cleanly.
 """
@@ -21,9 +21,10 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from kvledger.model import EngineFacts, PoolFacts
-from kvledger.sources import vllm_events
-from kvledger.sources.vllm_events import EventDecodeError, KvEventLedger, decode_batch
+from kvledger.facts import EngineFacts, PoolFacts
+from kvledger.sources.vllm import events_state, events_wire
+from kvledger.sources.vllm.events_state import KvEventState
+from kvledger.sources.vllm.events_wire import EventDecodeError, decode_batch
 
 from fuzz_support import EXTREMES, FUZZ, assert_exports_cleanly, assert_facts_in_range
 
@@ -122,7 +123,7 @@ def test_fuzz_decode_batch(payload: bytes) -> None:
         event("rejected")
         return
     event("decoded")
-    assert 0 <= batch.dp_rank <= vllm_events.MAX_DP_RANK
+    assert 0 <= batch.dp_rank <= events_wire.MAX_DP_RANK
     assert batch.ts is None or batch.ts == batch.ts  # never NaN
 
 
@@ -133,10 +134,10 @@ def _replay_from(history: list[tuple[int, bytes]]) -> Any:
     return replay
 
 
-def _check_snapshot(snap: vllm_events.KvEventsSnapshot, received: int) -> None:
+def _check_snapshot(snap: events_state.KvEventsSnapshot, received: int) -> None:
     assert snap.received == received and snap.lost >= 0 and snap.decode_errors >= 0 and snap.overflows >= 0
     for rank, count in snap.cached_blocks.items():
-        assert 0 <= rank <= vllm_events.MAX_DP_RANK
+        assert 0 <= rank <= events_wire.MAX_DP_RANK
         assert count is None or 0 <= count
         assert count is not None or rank in snap.reasons
 
@@ -155,7 +156,7 @@ def streams(draw: st.DrawFn) -> list[tuple[int, bytes]]:
 @FUZZ
 @given(streams(), st.booleans(), st.lists(st.tuples(st.integers(0, 40), payloads()), max_size=5))
 def test_fuzz_ledger_stream(stream: list[tuple[int, bytes]], with_replay: bool, history: list[tuple[int, bytes]]) -> None:
-    ledger = KvEventLedger(_replay_from(history) if with_replay else None)
+    ledger = KvEventState(_replay_from(history) if with_replay else None)
     if with_replay:
         ledger.start_from_replay(0)
     for seq, payload in stream:
@@ -183,7 +184,7 @@ def test_ten_million_hashes_are_refused_before_unpacking() -> None:
     payload = msgpack.packb([1.0, [["BlockStored", list(range(10_000_000))]]])
     with pytest.raises(EventDecodeError, match=r"^payload of \d+ bytes exceeds 4194304$"):
         decode_batch(payload)
-    ledger = KvEventLedger()
+    ledger = KvEventState()
     ledger.receive(0, payload)
     snap = ledger.snapshot()
     assert snap.decode_errors == 1 and snap.lost == 1
@@ -192,7 +193,7 @@ def test_ten_million_hashes_are_refused_before_unpacking() -> None:
 def test_long_arrays_inside_the_size_limit_are_refused() -> None:
     # 2**20 + 1 one-byte hashes fit in 4 MiB but exceed the array bound
     payload = msgpack.packb([1.0, [["BlockStored", [1] * ((1 << 20) + 1)]]])
-    assert len(payload) < vllm_events.MAX_PAYLOAD_BYTES
+    assert len(payload) < events_wire.MAX_PAYLOAD_BYTES
     with pytest.raises(EventDecodeError, match="exceeds max_array_len"):
         decode_batch(payload)
 
@@ -217,7 +218,7 @@ def test_deep_nesting_is_a_decode_error() -> None:
     nested: Any = 1
     for _ in range(900):
         nested = [nested]
-    ledger = KvEventLedger()
+    ledger = KvEventState()
     ledger.receive(0, msgpack.packb([1.0, [["BlockStored", [nested]]]]))
     assert ledger.snapshot().decode_errors == 1
 
@@ -227,15 +228,15 @@ def test_nan_timestamp_is_unknown() -> None:
 
 
 def test_negative_live_sequence_is_counted_not_applied() -> None:
-    ledger = KvEventLedger()
+    ledger = KvEventState()
     ledger.receive(-5, msgpack.packb([1.0, [["BlockStored", [1]]]]))
     snap = ledger.snapshot()
     assert snap.decode_errors == 1 and snap.cached_blocks == {}
 
 
 def test_multiset_growth_is_capped_and_counted(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vllm_events, "MAX_TRACKED_BLOCKS", 10)
-    ledger = KvEventLedger()
+    monkeypatch.setattr(events_state, "MAX_TRACKED_BLOCKS", 10)
+    ledger = KvEventState()
     ledger.receive(0, msgpack.packb([1.0, [["BlockStored", list(range(8))]]]))
     assert ledger.snapshot().cached_blocks == {0: 8}
     ledger.receive(1, msgpack.packb([1.0, [["BlockStored", list(range(8, 16))]]]))

@@ -16,10 +16,10 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from kvledger.config import EngineConfig
-from kvledger.model import Snapshot
+from kvledger.facts import Snapshot
 from kvledger.policy import compute_accounts
 from kvledger.sources.base import SourceError
-from kvledger.sources.vllm_metrics import USAGE_CHECK, vllm_facts_from_metrics
+from kvledger.sources.vllm.metrics import USAGE_CHECK, vllm_facts_from_metrics
 
 from fuzz_support import FUZZ, assert_exports_cleanly, assert_facts_in_range, parse_exposition_samples
 

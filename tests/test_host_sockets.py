@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.model import EngineFacts, HostFacts, Snapshot
+from kvledger.facts import EngineFacts, HostFacts, Snapshot
 from kvledger.sources.base import EnginePatch, SourceError
 from kvledger.sources.host_sockets import HostSocketSource, PortQueues, read_port_queues
 

@@ -18,7 +18,7 @@ import pytest
 
 from harness.hostile import HostileEngine
 from harness.kvledger_daemon import Daemon, run_serve
-from kvledger.ledger_server import LedgerServer, serve_http
+from kvledger.integration.document_server import LedgerServer, serve_http
 from kvledger.sim.demo import demo_profiles
 from kvledger.sim.engine import SimEngine
 from test_serve_e2e import scrape, value

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from harness.hostile import HostileEngine
-from kvledger.ledger_server import serve_unix
+from kvledger.integration.document_server import serve_unix
 from kvledger.sources.base import SourceError
 from kvledger.sources.http_client import HttpClient, redact_url
 

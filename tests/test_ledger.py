@@ -3,7 +3,7 @@ import threading
 import pytest
 from jsonschema import Draft202012Validator
 
-from kvledger.ledger import Ledger, LedgerError, OutOfBlocks, PoolSpec
+from kvledger.integration.reference_ledger import Ledger, LedgerError, OutOfBlocks, PoolSpec
 from kvledger.protocol import load_schema
 from ledger_checks import assert_consistent
 

@@ -1,4 +1,3 @@
-import dataclasses
 import os
 import socket
 import tempfile
@@ -6,9 +5,9 @@ import tempfile
 import pytest
 
 from kvledger.config import EngineConfig, HostConfig, LimitConfig, MemoryConfig, ProcessMatch, SizeWithSource, TenantConfig
-from kvledger.ledger import Ledger, PoolSpec
-from kvledger.ledger_server import serve_http, serve_unix
-from kvledger.model import Limit, MemoryTerm, Snapshot, TenantQuota
+from kvledger.integration.reference_ledger import Ledger, PoolSpec
+from kvledger.integration.document_server import serve_http, serve_unix
+from kvledger.facts import Limit, MemoryTerm, Snapshot, TenantQuota
 from kvledger.facts_merge import configured_facts
 from kvledger.sources.base import SourceError
 from kvledger.sources.ledger import LedgerSource
@@ -173,7 +172,7 @@ def test_unchanged_document_is_not_parsed_again(monkeypatch) -> None:  # type: i
     """An idle engine serves the same bytes: the source reuses its facts; a change is seen."""
     import kvledger.sources.ledger as ledger_mod
     from kvledger.config import EngineConfig
-    from kvledger.ledger_server import serve_http
+    from kvledger.integration.document_server import serve_http
 
     doc = {"schema": "kvledger/v1", "pools": [{"id": "0", "block_size": 16, "block_bytes": 1, "num_blocks": 10}], "requests": []}
     calls = []

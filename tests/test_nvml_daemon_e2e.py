@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fake_nvml import ENV_VAR, GIB, MIB, FakeGpu, Inventory, build_library
 from harness.kvledger_daemon import Daemon, run_serve
-from kvledger.ledger_server import LedgerServer, serve_http
+from kvledger.integration.document_server import LedgerServer, serve_http
 from kvledger.sim.demo import demo_profiles
 from kvledger.sim.engine import SimEngine
 

@@ -9,7 +9,7 @@ import pynvml
 import pytest
 
 from fake_nvml import GIB, MIB, FakeGpu, Inventory
-from kvledger.model import GpuProcess
+from kvledger.facts import GpuProcess
 from kvledger.sources.base import GpuContribution, SourceError
 from kvledger.sources.nvml import NvmlSource
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger.model import (
+from kvledger.facts import (
     BlockRef,
     Budgets,
     EngineFacts,

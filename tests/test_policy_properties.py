@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvledger.model import BlockRef, Budgets, EngineFacts, PoolFacts, RequestFacts
+from kvledger.facts import BlockRef, Budgets, EngineFacts, PoolFacts, RequestFacts
 from kvledger.policy import EngineAccount, engine_account
 from ledger_checks import design_reservation
 

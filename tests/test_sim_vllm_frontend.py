@@ -17,7 +17,7 @@ import msgpack
 import pytest
 import zmq
 from kvledger.collector import Collector
-from kvledger.ledger import Ledger, PoolSpec
+from kvledger.integration.reference_ledger import Ledger, PoolSpec
 from kvledger.prometheus_output import render_text
 from kvledger.sim.demo import demo_profiles, start_demo, vllm_engine_config
 from kvledger.sim.engine import SimEngine
@@ -26,10 +26,11 @@ from kvledger.sources.base import SubsourceReport
 from kvledger.sources.ledger import LedgerSource
 from kvledger.sources.prom_text import parse_exposition
 from kvledger.sources.registry import base_engine_facts, engine_sources
-from kvledger.sources.vllm import VllmSource
-from kvledger.sources.vllm_events import KvEventSubscriber, decode_batch
-from kvledger.sources.vllm_log import VllmLogReader, memory_terms
-from kvledger.sources.vllm_metrics import vllm_facts_from_metrics
+from kvledger.sources.vllm.source import VllmSource
+from kvledger.sources.vllm.events_subscriber import KvEventSubscriber
+from kvledger.sources.vllm.events_wire import decode_batch
+from kvledger.sources.vllm.startup_log import VllmLogReader, memory_terms
+from kvledger.sources.vllm.metrics import vllm_facts_from_metrics
 from vllm_publisher import wait_for
 
 PROFILE = next(p for p in demo_profiles() if p.name == "sim-stock-vllm")

@@ -10,13 +10,9 @@ import msgpack
 import pytest
 import zmq
 
-from kvledger.sources.vllm_events import (
-    EventDecodeError,
-    KvEventLedger,
-    KvEventSubscriber,
-    decode_batch,
-    offset_endpoint,
-)
+from kvledger.sources.vllm.events_subscriber import KvEventSubscriber, offset_endpoint
+from kvledger.sources.vllm.events_state import KvEventState
+from kvledger.sources.vllm.events_wire import EventDecodeError, decode_batch
 
 from vllm_publisher import (
     CLEARED,
@@ -204,7 +200,7 @@ def _payload(events, rank=0) -> bytes:
 
 
 def test_ledger_gap_without_replay_then_cleared() -> None:
-    led = KvEventLedger()
+    led = KvEventState()
     led.receive(0, _payload([stored_array([1, 2])]))
     assert led.snapshot().cached_blocks == {0: 2}
     led.receive(3, _payload([stored_array([3])]))
@@ -215,7 +211,7 @@ def test_ledger_gap_without_replay_then_cleared() -> None:
 
 
 def test_ledger_restart_midway_without_replay_counts_lost() -> None:
-    led = KvEventLedger()
+    led = KvEventState()
     for s in range(3):
         led.receive(s, _payload([stored_array([s])]))
     led.receive(1, _payload([stored_array([50])]))  # restarted, seq 0 missed
@@ -227,7 +223,7 @@ def test_ledger_live_repeats_of_the_initial_replay_are_not_a_restart() -> None:
     """The SUB socket connects before the initial replay: batches published in between
     arrive twice (replayed, then live); the live copies are skipped, not read as a restart."""
     history = [(s, _payload([stored_map([s])])) for s in range(4)]
-    led = KvEventLedger(lambda rank, start: [h for h in history if h[0] >= start])
+    led = KvEventState(lambda rank, start: [h for h in history if h[0] >= start])
     led.start_from_replay(0)
     led.receive(2, history[2][1])
     led.receive(3, history[3][1])
@@ -240,7 +236,7 @@ def test_ledger_live_repeats_of_the_initial_replay_are_not_a_restart() -> None:
 
 
 def test_ledger_ranks_are_separate_and_rank_defaults_to_zero() -> None:
-    led = KvEventLedger()
+    led = KvEventState()
     led.receive(0, msgpack.packb([1.0, [stored_array([1])]]))  # no dp_rank element
     led.receive(0, _payload([stored_array([1, 2])], rank=1))
     led.receive(1, msgpack.packb({"ts": 2.0, "events": [stored_map([3])], "data_parallel_rank": 1}))
@@ -248,7 +244,7 @@ def test_ledger_ranks_are_separate_and_rank_defaults_to_zero() -> None:
 
 
 def test_ledger_first_contact_mid_stream() -> None:
-    led = KvEventLedger()
+    led = KvEventState()
     led.receive(7, _payload([stored_array([1])]))
     snap = led.snapshot()
     assert snap.cached_blocks == {0: None} and snap.lost == 0 and "mid-stream" in snap.reasons[0]
@@ -279,7 +275,7 @@ def _ts_payload(events, ts: float) -> bytes:
 
 def test_ledger_engine_restart_drops_the_old_run_before_any_new_event() -> None:
     """An idle restarted engine publishes nothing: the old run's count must not survive it."""
-    led = KvEventLedger()
+    led = KvEventState()
     for s in range(3):
         led.receive(s, _ts_payload([stored_array([s])], ts=100.0 + s))
     assert led.snapshot().cached_blocks == {0: 3}
@@ -292,7 +288,7 @@ def test_ledger_engine_restart_drops_the_old_run_before_any_new_event() -> None:
 
 
 def test_ledger_engine_restart_already_seen_in_the_sequence_is_kept() -> None:
-    led = KvEventLedger()
+    led = KvEventState()
     for s in range(3):
         led.receive(s, _ts_payload([stored_array([s])], ts=100.0 + s))
     led.receive(0, _ts_payload([stored_array([7, 8])], ts=201.0))  # seq went back: new run
@@ -302,7 +298,7 @@ def test_ledger_engine_restart_already_seen_in_the_sequence_is_kept() -> None:
 
 
 def test_ledger_engine_restart_with_nothing_held_changes_nothing() -> None:
-    led = KvEventLedger()
+    led = KvEventState()
     assert led.engine_restarted(5.0) == []
     led.receive(0, _ts_payload([stored_array([1])], ts=1.0))
     led.receive(1, _ts_payload([removed_array([1])], ts=2.0))

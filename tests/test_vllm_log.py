@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvledger.model import MemoryTerm
-from kvledger.sources.vllm_log import GIB, VllmLogReader, memory_terms, parse_vllm_log
+from kvledger.facts import MemoryTerm
+from kvledger.sources.vllm.startup_log import GIB, VllmLogReader, memory_terms, parse_vllm_log
 
 LOG_0102 = """\
 INFO 09-14 10:00:01 [__init__.py:216] Automatically detected platform cuda.

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from kvledger.config import EngineConfig, ModelDerivation, TenantConfig
-from kvledger.model_bytes import ModelConfigError, block_bytes_from_config, kv_shape
+from kvledger.block_bytes import ModelConfigError, block_bytes_from_config, kv_shape
 from kvledger.sources.base import SourceError
 from kvledger.sources.prom_text import parse_exposition
-from kvledger.sources.vllm_metrics import parse_python_str, vllm_facts_from_metrics
+from kvledger.sources.vllm.metrics import parse_python_str, vllm_facts_from_metrics
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 GOLDEN = FIXTURES / "golden"

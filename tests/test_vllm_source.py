@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from kvledger.config import EngineConfig
-from kvledger.model import Snapshot
+from kvledger.facts import Snapshot
 from kvledger.sources.base import EngineContribution, SourceError, SubsourceReport
-from kvledger.sources.vllm import VllmSource, process_start_time
+from kvledger.sources.vllm.source import VllmSource, process_start_time
 from vllm_publisher import FakeVllmPublisher, received, stored_map, wait_for
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"

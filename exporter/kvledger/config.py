@@ -23,7 +23,7 @@ import yaml
 
 from kvledger.engine_kinds import KINDS, PLANNED, kind_specific_keys
 from kvledger.limits import MAX_SAFE_INT, MAX_TOKENS
-from kvledger.model import ADMISSIONS, LIMIT_KINDS, OVERFLOWS, SHARINGS, TERM_SOURCES
+from kvledger.facts import ADMISSIONS, LIMIT_KINDS, OVERFLOWS, SHARINGS, TERM_SOURCES
 
 DEFAULT_LISTEN = "0.0.0.0:9477"
 DEFAULT_INTERVAL = 1.0

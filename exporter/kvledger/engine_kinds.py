@@ -16,7 +16,7 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvledger.model import Admission, Overflow
+from kvledger.facts import Admission, Overflow
 
 if TYPE_CHECKING:
     from kvledger.config import EngineConfig
@@ -68,7 +68,7 @@ register(EngineKind(
 
 register(EngineKind(
     name="vllm",
-    source="kvledger.sources.vllm:VllmSource",
+    source="kvledger.sources.vllm.source:VllmSource",
     keys=frozenset({"kv_events", "kv_events_replay", "log_file"}),
     admission="dynamic",  # vLLM admits against free blocks, not a reservation
     overflow="preempt-recompute",

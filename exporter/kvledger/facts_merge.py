@@ -29,7 +29,7 @@ from typing import TypeVar
 
 from kvledger.config import EngineConfig
 from kvledger.engine_kinds import KINDS
-from kvledger.model import Budgets, EngineFacts, HostFacts, Limit, MemoryTerm, TenantQuota
+from kvledger.facts import Budgets, EngineFacts, HostFacts, Limit, MemoryTerm, TenantQuota
 
 T = TypeVar("T", Budgets, HostFacts)
 

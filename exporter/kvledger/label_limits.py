@@ -21,7 +21,7 @@ import dataclasses
 import hashlib
 
 from kvledger.config import LimitsConfig
-from kvledger.model import EngineFacts
+from kvledger.facts import EngineFacts
 
 LimitCounts = dict[tuple[str, str], int]  # (label, action) -> distinct values
 

@@ -17,9 +17,8 @@ from typing import Any
 import numpy as np
 
 from kvledger.blockrefs import BlockRefArray
-from kvledger.model import (
+from kvledger.facts import (
     BUDGET_CATEGORIES,
-    COUNTER_NAMES,
     BlockRef,
     EngineFacts,
     GpuFacts,

@@ -50,7 +50,7 @@ from kvledger.limits import (
     MAX_SAFE_INT,
     MAX_TOKENS,
 )
-from kvledger.model import (
+from kvledger.facts import (
     ADMISSIONS,
     BUDGET_CATEGORIES,
     COUNTER_NAMES,

@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 from dataclasses import dataclass, field
 
 from kvledger.config import EngineConfig, HostConfig, LimitConfig, MemoryConfig, ProcessMatch, TenantConfig
-from kvledger.ledger import PoolSpec
-from kvledger.ledger_server import LedgerServer, serve_http, serve_unix
+from kvledger.integration.reference_ledger import PoolSpec
+from kvledger.integration.document_server import LedgerServer, serve_http, serve_unix
 from kvledger.sim.engine import GiB, SimEngine, SimProfile
 from kvledger.sim.gpu import SimGpuSource
 from kvledger.sim.vllm_frontend import VllmFrontend

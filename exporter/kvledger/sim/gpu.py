@@ -13,7 +13,7 @@ import random
 import time
 from collections.abc import Sequence
 
-from kvledger.model import GpuFacts, GpuProcess
+from kvledger.facts import GpuFacts, GpuProcess
 from kvledger.sim.engine import SimEngine
 from kvledger.sources.base import GpuContribution, Source
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvledger.facts_merge import merge
-from kvledger.model import EngineFacts, GpuFacts, Snapshot
+from kvledger.facts import EngineFacts, GpuFacts, Snapshot
 
 
 

@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvledger.model import EngineFacts
+from kvledger.facts import EngineFacts
 from kvledger.sources.base import EnginePatch, Source, SourceError
 
 TCP_LISTEN = 0x0A

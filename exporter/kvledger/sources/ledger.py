@@ -12,7 +12,6 @@ kvledger/v1; the message names the field path).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 
 import orjson

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 import pynvml
 
-from kvledger.model import GpuFacts, GpuProcess
+from kvledger.facts import GpuFacts, GpuProcess
 from kvledger.sources.base import GpuContribution, Source, SourceError
 
 log = logging.getLogger(__name__)

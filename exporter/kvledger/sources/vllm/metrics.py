@@ -36,8 +36,8 @@ from typing import Any
 
 from kvledger.config import EngineConfig
 from kvledger.limits import MAX_BLOCKS, MAX_SAFE_INT, MAX_TOKENS
-from kvledger.model import Budgets, EngineFacts, PoolFacts, RequestCounts, TenantQuota
-from kvledger.model_bytes import ModelConfigError, ModelKvShape, kv_shape, load_model_config
+from kvledger.facts import Budgets, EngineFacts, PoolFacts, RequestCounts, TenantQuota
+from kvledger.block_bytes import ModelConfigError, ModelKvShape, kv_shape, load_model_config
 from kvledger.sources.base import SourceError
 from kvledger.sources.prom_text import Exposition, Sample, finite, parse_exposition, samples
 

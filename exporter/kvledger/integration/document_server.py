@@ -4,7 +4,7 @@
 answering ``GET /`` (any path) with ``render()`` as JSON. The Unix-socket variant
 speaks the same HTTP/1.1 on a stream socket (``unix:///path`` URLs of the ledger
 source). Used by the simulator, by tests and by custom engines embedding
-``kvledger.ledger.Ledger``.
+``kvledger.integration.reference_ledger.Ledger``.
 
 ``server.fault`` injects failures for tests: ``"garbage"`` (a 200 with bytes that are
 not JSON), ``"status"`` (HTTP 500), ``"hang"`` (accept, then never answer until the

@@ -24,7 +24,7 @@ import os
 import re
 from dataclasses import dataclass, fields
 
-from kvledger.model import MemoryTerm
+from kvledger.facts import MemoryTerm
 
 GIB = 1 << 30
 _INT_FIELDS = ("kv_cache_tokens", "concurrency_tokens")

@@ -1,0 +1,10 @@
+"""The ``kind: vllm`` source: a stock vLLM read without engine changes.
+
+- ``source``: the Source (``VllmSource``): /metrics through the HTTP client, merged with
+  the sub-sources below;
+- ``metrics``: vLLM's /metrics text (0.10.2 through current names) -> engine facts;
+- ``events_wire``: KV-event payloads (msgpack) decoded;
+- ``events_state``: the cached-block multiset per DP rank, its sequence gaps and replays;
+- ``events_subscriber``: the ZMQ thread (SUB for events, DEALER for replays);
+- ``startup_log``: the startup log's memory profile -> budget terms.
+"""
