@@ -17,6 +17,7 @@ from kvledger.config import EngineConfig, ModelDerivation, TenantConfig
 from kvledger.block_bytes import ModelConfigError, block_bytes_from_config, kv_shape
 from kvledger.sources.base import SourceError
 from kvledger.sources.prom_text import parse_exposition
+from kvledger.facts_merge import configured_facts, merge
 from kvledger.sources.vllm.metrics import parse_python_str, vllm_facts_from_metrics
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
@@ -64,8 +65,12 @@ def test_0102_duplicates_and_model_bytes() -> None:
     assert facts.request_counts.preempted is None
     # the deprecated gpu_prefix_cache_* duplicates are not counted twice
     assert facts.counters == {"preemptions": 3.0, "prefix_cache_queried_tokens": 5120.0}
-    assert (facts.admission, facts.overflow, facts.kind, facts.source) == ("dynamic", "preempt-recompute", "vllm", "vllm")
-    assert facts.budgets.max_model_len == 8192 and facts.budgets.max_num_seqs == 256
+    # /metrics says nothing of admission: the kind's defaults apply in the merge (tests/test_facts_merge.py)
+    assert (facts.admission, facts.overflow, facts.kind, facts.source) == (None, None, "vllm", "vllm")
+    assert facts.budgets.max_model_len is None  # not in /metrics
+    merged = merge(facts, configured_facts(CASES["vllm-0.10.2-gpu-duplicates"]))
+    assert (merged.admission, merged.overflow) == ("dynamic", "preempt-recompute")
+    assert merged.budgets.max_model_len == 8192 and merged.budgets.max_num_seqs == 256
 
 
 def test_only_deprecated_usage_name_is_enough() -> None:
@@ -115,7 +120,7 @@ def test_dp2_one_pool_per_rank_and_blocks_divided() -> None:
     assert facts.request_counts is not None
     assert (facts.request_counts.running, facts.request_counts.waiting) == (6, 3)
     assert facts.counters["preemptions"] == 7.0
-    assert facts.tenants[0].name == "team-a" and facts.gpus == [0, 1]
+    assert facts.tenants == [] and facts.gpus == []  # configured facts are merged in by the collector
 
 
 def test_real_0320_capture() -> None:

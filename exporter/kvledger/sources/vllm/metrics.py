@@ -36,7 +36,7 @@ from typing import Any
 
 from kvledger.config import EngineConfig
 from kvledger.limits import MAX_BLOCKS, MAX_SAFE_INT, MAX_TOKENS
-from kvledger.facts import Budgets, EngineFacts, PoolFacts, RequestCounts, TenantQuota
+from kvledger.facts import EngineFacts, PoolFacts, RequestCounts
 from kvledger.block_bytes import ModelConfigError, ModelKvShape, kv_shape, load_model_config
 from kvledger.sources.base import SourceError
 from kvledger.sources.prom_text import Exposition, Sample, finite, parse_exposition, samples
@@ -318,16 +318,9 @@ def vllm_facts_from_metrics(
         kind="vllm",
         source="vllm",
         version=_version(exp),
-        admission=cfg.admission or "dynamic",  # type: ignore[arg-type]
-        overflow=cfg.overflow or "preempt-recompute",  # type: ignore[arg-type]
-        budgets=Budgets(
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_num_seqs=cfg.max_num_seqs,
-            max_model_len=cfg.max_model_len,
-        ),
+        # admission, overflow, budgets, GPUs and tenants are not in /metrics: the configured
+        # values and the kind's defaults are merged in by facts_merge
         pools=pools,
         request_counts=RequestCounts(running=running_total, waiting=waiting_total, preempted=None),
         counters=counters,
-        gpus=list(cfg.gpus),
-        tenants=[TenantQuota(t.name, t.quota_bytes) for t in cfg.tenants],
     )
