@@ -53,8 +53,7 @@ def config_yaml(engines: list[EngineConfig]) -> str:
         out.append(f"  - name: {e.name}")
         out.append(f"    kind: {e.kind}")
         out.append(f'    url: "{e.url}"')
-        for key in ("kv_events", "kv_events_replay", "log_file", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(e, key)
+        for key, value in [*e.options, *((k, getattr(e, k)) for k in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"))]:
             if value is not None:
                 out.append(f'    {key}: "{value}"' if isinstance(value, str) else f"    {key}: {value}")
         if e.gpus:

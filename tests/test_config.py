@@ -104,3 +104,49 @@ def test_otlp_and_json_view(tmp_path: Path) -> None:
     assert c.json_view is True and c.otlp_endpoint == "http://127.0.0.1:4318"
     with pytest.raises(ConfigError, match="otlp: unknown key"):
         load_config(write(tmp_path, "otlp: {endpoint: 'http://x:4318', headers: {}}\n"))
+
+
+# ---------------------------------------------------------------- engine kinds (engine_kinds.py)
+
+
+def _one_engine(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "k.yml"
+    path.write_text("engines:\n  - {name: e, url: 'http://127.0.0.1:1/', " + body + "}\n")
+    return path
+
+
+def test_unknown_kind_lists_only_kinds_that_work(tmp_path: Path) -> None:
+    from kvledger.engine_kinds import KINDS
+
+    with pytest.raises(ConfigError) as err:
+        load_config(_one_engine(tmp_path, "kind: nope"))
+    assert f"must be one of {', '.join(KINDS)}" in str(err.value)
+    assert "sglang" not in str(err.value)
+
+
+def test_planned_kind_is_refused_with_the_way_forward(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"kind 'sglang' has no adapter in this release .*kind: ledger"):
+        load_config(_one_engine(tmp_path, "kind: sglang"))
+
+
+def test_a_key_of_another_kind_is_rejected_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"engines\[0\]: kv_events is for kind vllm only \(this engine is kind ledger\)"):
+        load_config(_one_engine(tmp_path, "kind: ledger, kv_events: 'tcp://127.0.0.1:5557'"))
+
+
+def test_kind_options_are_parsed_by_their_declared_type(tmp_path: Path) -> None:
+    cfg = load_config(_one_engine(tmp_path, "kind: vllm, kv_events: 'tcp://127.0.0.1:5557', log_file: /var/log/v.log"))
+    e = cfg.engines[0]
+    assert e.option("kv_events") == "tcp://127.0.0.1:5557" and e.option("log_file") == "/var/log/v.log"
+    assert e.option("kv_events_replay") is None
+    with pytest.raises(ConfigError, match=r"engines\[0\]\.kv_events: expected"):
+        load_config(_one_engine(tmp_path, "kind: vllm, kv_events: 'not an address'"))
+
+
+def test_check_never_says_valid_before_failing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvledger.cli import main
+
+    path = _one_engine(tmp_path, "kind: sglang")
+    assert main(["check", "--config", str(path)]) == 2
+    out = capsys.readouterr()
+    assert "valid" not in out.out and "has no adapter" in out.err

@@ -104,7 +104,7 @@ def _check_accepted(config: Config) -> None:
         assert MIN_TIMEOUT <= e.timeout_seconds <= MAX_TIMEOUT
         for budget in (e.max_model_len, e.max_num_batched_tokens, e.max_num_seqs):
             assert budget is None or 1 <= budget <= MAX_TOKENS
-        for url in (e.url, e.kv_events, e.kv_events_replay):
+        for url in (e.url, e.option("kv_events"), e.option("kv_events_replay")):
             assert url is None or not url.startswith("unix://") or re.match(r"^unix:///[^/]", url), url
         facts = merge(healthy_engine(), configured_facts(e))  # what only the configuration knows, on a document's facts
         assert_facts_in_range(facts)

@@ -279,7 +279,7 @@ def test_demo_serves_the_stock_vllm_as_kind_vllm() -> None:
         by_name = {c.name: c for c in demo.engine_configs}
         cfg = by_name["sim-stock-vllm"]
         assert cfg.kind == "vllm" and cfg.url.endswith("/metrics")
-        assert cfg.kv_events and cfg.kv_events_replay and cfg.log_file
+        assert cfg.option("kv_events") and cfg.option("kv_events_replay") and cfg.option("log_file")
         assert (cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens) == (
             PROFILE.max_model_len, PROFILE.max_num_seqs, PROFILE.max_num_batched_tokens)
         assert cfg.gpus == PROFILE.gpus and cfg.processes is not None and cfg.processes.pids

@@ -65,8 +65,9 @@ def server() -> Iterator[tuple[str, type[_Handler]]]:
 
 
 def _cfg(url: str, **kw) -> EngineConfig:
+    options = tuple((k, kw.pop(k)) for k in ("kv_events", "kv_events_replay", "log_file") if k in kw)
     return EngineConfig(name="tiny", kind="vllm", url=url, timeout_seconds=kw.pop("timeout_seconds", 2.0),
-                        max_model_len=1024, gpus=(0,), **kw)
+                        max_model_len=1024, gpus=(0,), options=options, **kw)
 
 
 def test_poll_returns_engine_facts(server) -> None:

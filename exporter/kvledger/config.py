@@ -98,9 +98,8 @@ class EngineConfig:
     kind: str
     url: str
     timeout_seconds: float = DEFAULT_TIMEOUT
-    kv_events: str | None = None
-    kv_events_replay: str | None = None
-    log_file: str | None = None
+    #: the kind's own keys (engine_kinds: EngineKind.options), as (name, value) pairs
+    options: tuple[tuple[str, str], ...] = ()
     admission: str | None = None
     overflow: str | None = None
     block_bytes: int | None = None
@@ -114,6 +113,10 @@ class EngineConfig:
     host: HostConfig = field(default_factory=HostConfig)
     tenants: tuple[TenantConfig, ...] = ()
     max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
+
+    def option(self, name: str) -> str | None:
+        """The value of one of the kind's own keys, or None when not configured."""
+        return dict(self.options).get(name)
 
 
 @dataclass(frozen=True)
@@ -442,9 +445,11 @@ def _engine(r: _Reader, names: set[str]) -> EngineConfig:
         kind=kind,
         url=url,
         timeout_seconds=r.get("timeout_seconds", _duration_in(MIN_TIMEOUT, MAX_TIMEOUT), DEFAULT_TIMEOUT),
-        kv_events=r.get("kv_events", _url, None),  # type: ignore[arg-type]
-        kv_events_replay=r.get("kv_events_replay", _url, None),  # type: ignore[arg-type]
-        log_file=r.get("log_file", _str, None),  # type: ignore[arg-type]
+        options=tuple(
+            (o.name, value)
+            for o in KINDS[kind].options
+            if (value := r.get(o.name, _url if o.value == "address" else _str, None)) is not None
+        ),
         admission=r.get("admission", _choice(ADMISSIONS), None),  # type: ignore[arg-type]
         overflow=r.get("overflow", _choice(OVERFLOWS), None),  # type: ignore[arg-type]
         block_bytes=r.get("block_bytes", parse_size, None),  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from kvledger.facts import Admission, Overflow
 
@@ -24,10 +24,20 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class Option:
+    """A configuration key only this kind accepts; the loader checks it by ``value``:
+    ``address`` (tcp://, ipc://, http(s):// or unix:///absolute/path) or ``path`` (a file)."""
+
+    name: str
+    value: Literal["address", "path"]
+    help: str
+
+
+@dataclass(frozen=True)
 class EngineKind:
     name: str  # the ``kind:`` value in the configuration
     source: str  # "module:Class" of the Source, constructed with the engine's EngineConfig
-    keys: frozenset[str]  # configuration keys that only this kind accepts
+    options: tuple[Option, ...]  # configuration keys that only this kind accepts (cfg.option(name))
     admission: Admission | None  # the engine's rule, when neither it nor the config says
     overflow: Overflow | None
     docs: str  # the kind's page, relative to the repository root
@@ -53,13 +63,13 @@ def register(kind: EngineKind) -> None:
 
 def kind_specific_keys() -> dict[str, str]:
     """Each kind-specific configuration key and the kind that owns it."""
-    return {key: kind.name for kind in KINDS.values() for key in kind.keys}
+    return {o.name: kind.name for kind in KINDS.values() for o in kind.options}
 
 
 register(EngineKind(
     name="ledger",
     source="kvledger.sources.ledger:LedgerSource",
-    keys=frozenset(),
+    options=(),
     admission=None,  # the document says; absent means unknown
     overflow=None,
     docs="docs/ledger.md",
@@ -69,7 +79,11 @@ register(EngineKind(
 register(EngineKind(
     name="vllm",
     source="kvledger.sources.vllm.source:VllmSource",
-    keys=frozenset({"kv_events", "kv_events_replay", "log_file"}),
+    options=(
+        Option("kv_events", "address", "the ZMQ publisher of KV events (--kv-events-config endpoint)"),
+        Option("kv_events_replay", "address", "the ZMQ replay endpoint (replay_endpoint)"),
+        Option("log_file", "path", "the server's log, for the startup memory profile"),
+    ),
     admission="dynamic",  # vLLM admits against free blocks, not a reservation
     overflow="preempt-recompute",
     docs="docs/engines/vllm.md",

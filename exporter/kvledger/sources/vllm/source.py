@@ -63,11 +63,12 @@ class VllmSource(Source):
         self._model_config: dict[str, Any] | None = None
         self._events: KvEventSubscriber | None = None
         self._events_error: str | None = None
-        if cfg.kv_events:
-            self._events = KvEventSubscriber(cfg.kv_events, cfg.kv_events_replay)
+        kv_events, log_file = cfg.option("kv_events"), cfg.option("log_file")
+        if kv_events:
+            self._events = KvEventSubscriber(kv_events, cfg.option("kv_events_replay"))
             self._events.start()
-        self._log = VllmLogReader(cfg.log_file) if cfg.log_file else None
-        self._log_error: str | None = "not read yet" if cfg.log_file else None
+        self._log = VllmLogReader(log_file) if log_file else None
+        self._log_error: str | None = "not read yet" if log_file else None
         self._started_at: float | None = None  # the engine's process_start_time_seconds
 
     def poll(self) -> EngineContribution:
