@@ -249,6 +249,14 @@ class HttpClient:
             conn.close()
         return body
 
+    def get_text(self) -> str:
+        """``get()`` decoded as UTF-8; SourceError(parse) names the first bad byte."""
+        body = self.get()
+        try:
+            return body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise SourceError("parse", f"{self.where}: body is not UTF-8 (byte {exc.start})") from None
+
     def _late(self) -> str:
         return f"{self.where}: no complete answer within {self.timeout:g}s"
 

@@ -30,15 +30,6 @@ from kvledger.sources.vllm.metrics import vllm_facts_from_metrics
 _START_TIME = re.compile(r"^process_start_time_seconds(?:\{\})? (\S+)(?: -?[0-9]+)?$", re.MULTILINE)
 
 
-def fetch_text(client: HttpClient) -> str:
-    """The /metrics text through the bounded client; SourceError(parse) if not UTF-8."""
-    body = client.get()
-    try:
-        return body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise SourceError("parse", f"{client.where}: body is not UTF-8 (byte {exc.start})") from None
-
-
 def process_start_time(text: str) -> float | None:
     """The one unlabelled ``process_start_time_seconds`` sample; None if absent, repeated or bad."""
     found = _START_TIME.findall(text)
@@ -72,7 +63,7 @@ class VllmSource(Source):
         self._started_at: float | None = None  # the engine's process_start_time_seconds
 
     def poll(self) -> EngineContribution:
-        text = fetch_text(self._http)
+        text = self._http.get_text()
         facts = vllm_facts_from_metrics(text, self.cfg, self._load_model_config())
         self._note_start_time(process_start_time(text))
         facts = self._merge_events(facts)
