@@ -335,12 +335,6 @@ class Collector:
             gpus = []
             snapshot.driver_version = None
 
-        totals = dict(self._invariant_totals)
-        for engine in engines:
-            # counts a source keeps itself (cumulative), e.g. event-stream checks
-            for check, n in engine.facts.invariant_violations.items():
-                key = (engine.name, check)
-                totals[key] = totals.get(key, 0) + n
         accounts = Accounts(
             engines=engines,
             gpus=gpus,
@@ -350,7 +344,7 @@ class Collector:
             + self._sub_health(),
             sharing=self.sharing,
             taken_at=taken_at,
-            invariant_totals=totals,
+            invariant_totals=dict(self._invariant_totals),
             labels_limited=dict(self._limited_totals),
         )
         with self._lock:

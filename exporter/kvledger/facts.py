@@ -172,7 +172,6 @@ class EngineFacts:
     # Exporter-side cumulative counts, maintained by sources (not by the engine).
     kv_events: dict[str, int] = field(default_factory=dict)  # by event type
     kv_events_lost: int | None = None
-    invariant_violations: dict[str, int] = field(default_factory=dict)  # by check name
 
 
 @dataclass(frozen=True, slots=True)
