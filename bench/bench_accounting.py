@@ -15,10 +15,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from kvledger.blockrefs import BlockRefArray  # noqa: E402
-from kvledger.facts import Snapshot  # noqa: E402
-from kvledger.policy import compute_accounts  # noqa: E402
-from workload import engine_facts  # noqa: E402
+from workload import engine_facts
+
+from kvledger.blockrefs import BlockRefArray
+from kvledger.facts import Snapshot
+from kvledger.policy import compute_accounts
 
 BUDGET_MS = 50.0
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from kvledger.integration.document_server import serve_http
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_protocol import build  # noqa: E402
+from bench_protocol import build
 
 ROOT = Path(__file__).resolve().parents[1]
 

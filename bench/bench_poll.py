@@ -33,7 +33,7 @@ from kvledger.protocol import facts_from_document
 from kvledger.sources.ledger import LedgerSource, fetch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_daemon import engine_document  # noqa: E402
+from bench_daemon import engine_document
 
 ENGINES = 8
 BUDGET_MS_PER_SECOND = 20.0  # 2 % of a core

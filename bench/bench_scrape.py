@@ -13,9 +13,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from kvledger.policy import compute_accounts  # noqa: E402
-from kvledger.prometheus_output import render_text  # noqa: E402
-from workload import scrape_snapshot  # noqa: E402
+from workload import scrape_snapshot
+
+from kvledger.policy import compute_accounts
+from kvledger.prometheus_output import render_text
 
 BUDGET_MS = 10.0
 

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# NVML device check",
         "",
-        f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} by `bench/device_check.py`; "
+        f"Run {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC} by `bench/device_check.py`; "
         f"driver {first.driver_version}, nvidia-ml-py {importlib.metadata.version('nvidia-ml-py')}.",
         "",
         "## v1 and v2 per GPU (MiB)",

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-for script in ("bench_scrape.py", "bench_accounting.py", "bench_events.py", "bench_protocol.py", "bench_poll.py", "bench_daemon.py", "bench_http.py"):
+SCRIPTS = ("bench_scrape.py", "bench_accounting.py", "bench_events.py", "bench_protocol.py", "bench_poll.py", "bench_daemon.py",
+           "bench_http.py")
+for script in SCRIPTS:
     print(f"== {script}", flush=True)
     subprocess.run([sys.executable, str(HERE / script)], check=True)

@@ -5,8 +5,19 @@ from __future__ import annotations
 import random
 
 from kvledger.facts import (
-    BlockRef, Budgets, EngineFacts, GpuFacts, GpuProcess, HostFacts, Limit, MemoryTerm, PoolFacts,
-    RequestFacts, Snapshot, SourceHealth, TenantQuota,
+    BlockRef,
+    Budgets,
+    EngineFacts,
+    GpuFacts,
+    GpuProcess,
+    HostFacts,
+    Limit,
+    MemoryTerm,
+    PoolFacts,
+    RequestFacts,
+    Snapshot,
+    SourceHealth,
+    TenantQuota,
 )
 
 STATES = ("running", "running", "running", "waiting", "preempted")

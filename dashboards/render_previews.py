@@ -82,7 +82,7 @@ def draw_timeseries(ax: Axes, panel: dict[str, Any], series: list[tuple[str, str
             base = bases.get(group)
             if base is None or len(base) != len(vs):
                 base = [0.0] * len(vs)
-            top = [b + v for b, v in zip(base, vs)]
+            top = [b + v for b, v in zip(base, vs, strict=True)]
             ax.fill_between(t0, base, top, alpha=0.5, label=name, linewidth=0.6)
             bases[group] = top
         else:

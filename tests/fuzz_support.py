@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, settings
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvledger.blockrefs import BlockRefArray
-from kvledger.limits import MAX_SAFE_INT
 from kvledger.facts import EngineFacts, GpuFacts, PoolFacts, RequestFacts, Snapshot, SourceHealth
+from kvledger.limits import MAX_SAFE_INT
 from kvledger.policy import Accounts, compute_accounts
 from kvledger.prometheus_output import render_text
 

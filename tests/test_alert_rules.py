@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from alerts_support import ALERTS, ROOT, RULES, load
 
 generate = load("generate")

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 import yaml
-
 from alerts_support import ROOT, load
+
 from harness.alertmanager import start_alertmanager
 from harness.prometheus import start_prometheus
 from harness.targets import DemoTarget, FakeKvledgerExporter, Target

@@ -12,12 +12,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvledger.collector import Collector, check_renderable
 from kvledger.config import LimitsConfig
+from kvledger.facts import Budgets, EngineFacts, GpuFacts, PoolFacts, RequestFacts, Snapshot, TenantQuota
 from kvledger.label_limits import LabelLimitError, limit_labels, shorten
-from kvledger.facts import Budgets, EngineFacts, GpuFacts, PoolFacts, RequestFacts, TenantQuota
 from kvledger.policy import compute_accounts
 from kvledger.prometheus_output import render_text
 from kvledger.sources.base import Contribution, EngineContribution, GpuContribution, Source
-from kvledger.facts import Snapshot
 
 
 def healthy(name: str = "good", in_use: int = 3) -> EngineFacts:

@@ -5,14 +5,25 @@ from __future__ import annotations
 import shutil
 import subprocess
 
+from exposition_lint import lint_exposition
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exposition_lint import lint_exposition
 from kvledger.catalog import CATALOG
 from kvledger.facts import (
-    BlockRef, Budgets, EngineFacts, GpuFacts, GpuProcess, HostFacts, Limit, MemoryTerm, PoolFacts,
-    RequestFacts, Snapshot, SourceHealth, TenantQuota,
+    BlockRef,
+    Budgets,
+    EngineFacts,
+    GpuFacts,
+    GpuProcess,
+    HostFacts,
+    Limit,
+    MemoryTerm,
+    PoolFacts,
+    RequestFacts,
+    Snapshot,
+    SourceHealth,
+    TenantQuota,
 )
 from kvledger.policy import compute_accounts
 from kvledger.prometheus_output import make_registry, render_text

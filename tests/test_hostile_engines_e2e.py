@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_serve_e2e import scrape, value
 
 from harness.hostile import HostileEngine
 from harness.kvledger_daemon import Daemon, run_serve
 from kvledger.integration.document_server import LedgerServer, serve_http
 from kvledger.sim.demo import demo_profiles
 from kvledger.sim.engine import SimEngine
-from test_serve_e2e import scrape, value
 
 pytestmark = pytest.mark.e2e
 
@@ -116,11 +116,11 @@ def test_poisoned_documents_fail_the_poisoned_engine_alone(
             rejected = sum(errors(samples, "hostile", r) for r in ("schema", "parse", "invalid"))
             hostile.body = body
             samples = until(daemon, f"{name}: hostile down",
-                            lambda s: up(s, "hostile") == 0
+                            lambda s, rejected=rejected: up(s, "hostile") == 0
                             and sum(errors(s, "hostile", r) for r in ("schema", "parse", "invalid")) > rejected)
             # its pool series are gone; the healthy engine is fresh and complete
             assert value(samples, "kvledger_kv_capacity_blocks", engine="hostile", pool="0") is None, name
-            samples = until(daemon, f"{name}: good keeps moving", lambda s: good_success(s) > before + 0.5)
+            samples = until(daemon, f"{name}: good keeps moving", lambda s, before=before: good_success(s) > before + 0.5)
             assert up(samples, "good") == 1
             assert value(samples, "kvledger_kv_capacity_blocks", engine="good", pool="0") == doc["pools"][0]["num_blocks"]
             hostile.body = json.dumps(sim.document()).encode()

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tls_support import bcrypt_hash, make_ca, make_leaf
+
 from kvledger.collector import Collector
 from kvledger.http_connection import ServerLimits
 from kvledger.server import KvledgerHTTPServer, basic_auth_header
-from tls_support import bcrypt_hash, make_ca, make_leaf
 
 
 @pytest.fixture

@@ -2,10 +2,10 @@ import threading
 
 import pytest
 from jsonschema import Draft202012Validator
+from ledger_checks import assert_consistent
 
 from kvledger.integration.reference_ledger import Ledger, LedgerError, OutOfBlocks, PoolSpec
 from kvledger.protocol import load_schema
-from ledger_checks import assert_consistent
 
 B = 16
 

@@ -5,10 +5,10 @@ import tempfile
 import pytest
 
 from kvledger.config import EngineConfig, HostConfig, LimitConfig, MemoryConfig, ProcessMatch, SizeWithSource, TenantConfig
-from kvledger.integration.reference_ledger import Ledger, PoolSpec
-from kvledger.integration.document_server import serve_http, serve_unix
 from kvledger.facts import Limit, MemoryTerm, Snapshot, TenantQuota
 from kvledger.facts_merge import configured_facts
+from kvledger.integration.document_server import serve_http, serve_unix
+from kvledger.integration.reference_ledger import Ledger, PoolSpec
 from kvledger.sources.base import SourceError
 from kvledger.sources.ledger import LedgerSource
 

@@ -12,10 +12,11 @@ import difflib
 import os
 from pathlib import Path
 
+from test_exposition import rich_snapshot
+
 from kvledger.catalog import CATALOG
 from kvledger.policy import compute_accounts
 from kvledger.prometheus_output import render_text
-from test_exposition import rich_snapshot
 
 GOLDEN = Path(__file__).parent / "fixtures" / "metrics.golden.prom"
 REGEN = os.environ.get("KVLEDGER_REGEN") == "1"

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fake_nvml import ENV_VAR, GIB, MIB, FakeGpu, Inventory, build_library
 from prometheus_client.parser import text_string_to_metric_families
 
-from fake_nvml import ENV_VAR, GIB, MIB, FakeGpu, Inventory, build_library
 from harness.kvledger_daemon import Daemon, run_serve
 from kvledger.integration.document_server import LedgerServer, serve_http
 from kvledger.sim.demo import demo_profiles

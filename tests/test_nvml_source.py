@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import ctypes
+import itertools
 from collections.abc import Iterator
 
 import pynvml
 import pytest
-
 from fake_nvml import GIB, MIB, FakeGpu, Inventory
+
 from kvledger.facts import GpuProcess
 from kvledger.sources.base import GpuContribution, SourceError
 from kvledger.sources.nvml import NvmlSource
@@ -273,7 +274,7 @@ def test_reinit_backoff_doubles_up_to_the_bound(nvml_inventory, monkeypatch, fak
         if init_calls(fake_nvml_lib) > before:
             attempts.append(clock.now - 1000.0)
         clock.now += 1.0
-    gaps = [b - a for a, b in zip(attempts, attempts[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(attempts)]
     assert gaps[:3] == [5.0, 10.0, 20.0] and set(gaps[3:]) == {20.0}
 
 

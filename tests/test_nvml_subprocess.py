@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from fake_nvml import ENV_VAR, GIB, MIB, FakeGpu, Inventory, build_library
 
 EXPORTER = Path(__file__).resolve().parents[1] / "exporter"

@@ -6,17 +6,17 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+from test_exposition import rich_snapshot
 
 from kvledger.otlp_output import OtlpOutput
 from kvledger.policy import compute_accounts
-from test_exposition import rich_snapshot
 
 
 def test_otlp_push_carries_the_catalogue() -> None:
     received: list[ExportMetricsServiceRequest] = []
 
     class Receiver(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers["Content-Length"]))
             req = ExportMetricsServiceRequest()
             req.ParseFromString(body)

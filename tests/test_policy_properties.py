@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ledger_checks import design_reservation
+
 from kvledger.facts import BlockRef, Budgets, EngineFacts, PoolFacts, RequestFacts
 from kvledger.policy import EngineAccount, engine_account
-from ledger_checks import design_reservation
 
 BLOCK = 16
 MAX_NUM_SEQS = 16

@@ -179,7 +179,7 @@ def test_valid_variants_accepted_by_both(path, value):
 
 def test_integral_floats_are_converted():
     f = facts_from_document(mutate(("pools", 0, "block_refs", 0), [17, 2.0, True]), "e")
-    assert list(f.pools[0].block_refs)[0] == BlockRef(17, 2, True)
+    assert next(iter(f.pools[0].block_refs)) == BlockRef(17, 2, True)
     assert type(f.pools[0].block_refs.ref_counts[0]) is int
 
 

@@ -103,7 +103,7 @@ def test_faulty_source_marked_down_others_unaffected(
 def test_snapshot_and_check_report_failures(tmp_path: Path, ledgers: tuple[LedgerServer, LedgerServer]) -> None:
     good, bad = ledgers
     cfg = write_config(tmp_path, good, bad)
-    run = lambda *a: subprocess.run([sys.executable, "-m", "kvledger.cli", *a], capture_output=True, text=True, env=_env(None), cwd=ROOT, timeout=60)  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "kvledger.cli", *a], capture_output=True, text=True, env=_env(None), cwd=ROOT, timeout=60)
     ok = run("snapshot", "--config", str(cfg), "--json")
     assert ok.returncode == 0, ok.stderr
     assert '"kvledger_kv_capacity_blocks"' in ok.stdout

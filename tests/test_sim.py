@@ -2,12 +2,13 @@ import dataclasses
 
 import pytest
 from jsonschema import Draft202012Validator
+from ledger_checks import assert_consistent, design_reservation
+
 from kvledger.protocol import load_schema
 from kvledger.sim.demo import demo_profiles, start_demo
 from kvledger.sim.engine import SimEngine, SimProfile
 from kvledger.sim.gpu import SimGpuSource
 from kvledger.sources.ledger import LedgerSource
-from ledger_checks import assert_consistent, design_reservation
 
 VALIDATOR = Draft202012Validator(load_schema())
 PROFILES = {p.name: p for p in demo_profiles()}

@@ -15,12 +15,13 @@ from typing import Any
 
 import pytest
 import yaml
+from tls_support import Pki, bcrypt_hash, make_pki
+
 from harness.httpjson import wait_until
 from harness.kvledger_daemon import _env
 from harness.process import ManagedProcess, ProcessError, free_port
 from harness.prometheus import PrometheusServer, prometheus_config, start_prometheus_with_config
 from kvledger.server import basic_auth_header
-from tls_support import Pki, bcrypt_hash, make_pki
 
 pytestmark = pytest.mark.e2e
 

@@ -9,11 +9,6 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
-
-from kvledger.sources.vllm.events_subscriber import KvEventSubscriber, offset_endpoint
-from kvledger.sources.vllm.events_state import KvEventState
-from kvledger.sources.vllm.events_wire import EventDecodeError, decode_batch
-
 from vllm_publisher import (
     CLEARED,
     FakeVllmPublisher,
@@ -24,6 +19,10 @@ from vllm_publisher import (
     stored_map,
     wait_for,
 )
+
+from kvledger.sources.vllm.events_state import KvEventState
+from kvledger.sources.vllm.events_subscriber import KvEventSubscriber, offset_endpoint
+from kvledger.sources.vllm.events_wire import EventDecodeError, decode_batch
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 

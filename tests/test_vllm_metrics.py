@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.config import EngineConfig, ModelDerivation, TenantConfig
 from kvledger.block_bytes import ModelConfigError, block_bytes_from_config, kv_shape
+from kvledger.config import EngineConfig, ModelDerivation, TenantConfig
+from kvledger.facts_merge import configured_facts, merge
 from kvledger.sources.base import SourceError
 from kvledger.sources.prom_text import parse_exposition
-from kvledger.facts_merge import configured_facts, merge
 from kvledger.sources.vllm.metrics import parse_python_str, vllm_facts_from_metrics
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"

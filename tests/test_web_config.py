@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tls_support import Pki, bcrypt_hash, make_pki
+
 from kvledger import basic_auth as basic_auth_module
 from kvledger.basic_auth import BasicAuth, parse_basic
 from kvledger.cli import build_parser
@@ -16,7 +18,6 @@ from kvledger.config import ConfigError, config_from_mapping
 from kvledger.server import basic_auth_header
 from kvledger.tls_context import sans_allowed, server_context
 from kvledger.web_config import load_web_config, web_config_from_mapping
-from tls_support import Pki, bcrypt_hash, make_pki
 
 
 @pytest.fixture(scope="module")
@@ -142,20 +143,20 @@ def test_bad_values_and_unknown_keys_are_named(tmp_path: Path, doc: object, expe
 
 
 def test_unreadable_files_are_named(tmp_path: Path, pki: Pki) -> None:
-    with pytest.raises(ConfigError, match="missing.yml: cannot read"):
+    with pytest.raises(ConfigError, match=r"missing.yml: cannot read"):
         load_web_config(tmp_path / "missing.yml")
     (tmp_path / "bad.yml").write_text("tls_server_config: [\n")
     with pytest.raises(ConfigError, match=r"bad.yml: invalid YAML at line"):
         load_web_config(tmp_path / "bad.yml")
     cfg = web_config_from_mapping({"tls_server_config": {"cert_file": str(tmp_path / "nope.crt"), "key_file": str(pki.server_key)}})
     assert cfg.tls is not None
-    with pytest.raises(ConfigError, match="web.yml: tls_server_config: cannot load cert_file .*nope.crt"):
+    with pytest.raises(ConfigError, match=r"web.yml: tls_server_config: cannot load cert_file .*nope.crt"):
         server_context(cfg.tls, "web.yml")
     cfg = web_config_from_mapping({"tls_server_config": {
         "cert_file": str(pki.server_cert), "key_file": str(pki.server_key),
         "client_auth_type": "VerifyClientCertIfGiven", "client_ca_file": str(tmp_path / "ca.pem")}})
     assert cfg.tls is not None
-    with pytest.raises(ConfigError, match="web.yml: tls_server_config.client_ca_file: cannot load .*ca.pem"):
+    with pytest.raises(ConfigError, match=r"web.yml: tls_server_config.client_ca_file: cannot load .*ca.pem"):
         server_context(cfg.tls, "web.yml")
 
 

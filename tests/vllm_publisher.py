@@ -15,7 +15,7 @@ END = (-1).to_bytes(8, "big", signed=True)
 def stored_array(hashes, medium: str | None = "GPU", legacy: bool = False) -> list:
     """0.10-0.12 array-tagged BlockStored; ``legacy`` omits lora_id and medium (older builds)."""
     ev = ["BlockStored", hashes, None, [1] * 16 * len(hashes), 16]
-    return ev if legacy else ev + [None, medium]
+    return ev if legacy else [*ev, None, medium]
 
 
 def removed_array(hashes, medium: str | None = "GPU") -> list:
@@ -73,7 +73,7 @@ class FakeVllmPublisher:
                     items = [(s, p) for s, p in self.buffer if s >= start_seq]
                 for s, p in items:
                     head = [client, b""] + ([self.topic] if self.replay_with_topic else [])
-                    router.send_multipart(head + [s.to_bytes(8, "big"), p])
+                    router.send_multipart([*head, s.to_bytes(8, "big"), p])
                 router.send_multipart([client, b"", END, b""])
         finally:
             router.close(linger=0)

@@ -60,8 +60,8 @@ def dashboard() -> g.Dashboard:
         p.timeseries(
             "Budget terms by category (stacked) vs device total",
             "Declared budget terms stacked by category (weights, workspace, runtime_buffers, reserve, kv_pool) "
-            "with where each figure comes from, summed over the engines on the GPU; the dashed line is the NVML device total. The reserve is "
-            "headroom, not an allocation. Repeated per GPU so one device's terms never stack on another's.",
+            "with where each figure comes from, summed over the engines on the GPU; the dashed line is the NVML device total. "
+            "The reserve is headroom, not an allocation. Repeated per GPU so one device's terms never stack on another's.",
             [
                 q(sum_by(labels("gpu", "category", "source"), sel("kvledger_gpu_budget_bytes", *IG)),
                   "gpu {{gpu}} {{category}} ({{source}})"),

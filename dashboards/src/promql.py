@@ -11,7 +11,6 @@ written once here.
 from __future__ import annotations
 
 from kvledger.catalog import BY_NAME
-
 from monitoring import config as mon
 
 # Recording rules (monitoring/config.py defines them, alerts/ writes them; dashboards only read them).

@@ -19,7 +19,7 @@ from kvledger.facts import BlockRef
 
 
 class BlockRefArray(Sequence[BlockRef]):
-    __slots__ = ("ids", "ref_counts", "cached")
+    __slots__ = ("cached", "ids", "ref_counts")
 
     def __init__(self, ids: array, ref_counts: array, cached: bytes) -> None:
         if not len(ids) == len(ref_counts) == len(cached):
@@ -63,7 +63,7 @@ class BlockRefArray(Sequence[BlockRef]):
         if isinstance(other, BlockRefArray):
             return self.ids == other.ids and self.ref_counts == other.ref_counts and self.cached == other.cached
         if isinstance(other, Sequence):
-            return len(other) == len(self) and all(a == b for a, b in zip(self, other))
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
         return NotImplemented
 
     def __hash__(self) -> int:  # a mutable-looking container: not hashable

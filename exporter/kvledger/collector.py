@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 from kvledger.catalog import CATALOG
 from kvledger.config import LimitsConfig
-from kvledger.label_limits import LabelLimitError, limit_labels
 from kvledger.facts import EngineFacts, Snapshot, SourceHealth
+from kvledger.label_limits import LabelLimitError, limit_labels
 from kvledger.policy import Accounts, EngineAccount, budget_terms, engine_account, gpu_accounts
-from kvledger.sources.http_client import redact_text
 from kvledger.sources.base import Contribution, EngineContribution, GpuContribution, Source, SourceError
+from kvledger.sources.http_client import redact_text
 
 log = logging.getLogger("kvledger.collector")
 

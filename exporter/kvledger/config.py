@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 import yaml
 
 from kvledger.engine_kinds import KINDS, PLANNED, kind_specific_keys
-from kvledger.limits import MAX_SAFE_INT, MAX_TOKENS
 from kvledger.facts import ADMISSIONS, LIMIT_KINDS, OVERFLOWS, SHARINGS, TERM_SOURCES
+from kvledger.limits import MAX_SAFE_INT, MAX_TOKENS
 
 DEFAULT_LISTEN = "0.0.0.0:9477"
 DEFAULT_INTERVAL = 1.0
@@ -321,7 +321,7 @@ def _nonneg_number(value: Any) -> float:
 
 def _listen(value: Any) -> str:
     value = _str(value)
-    host, sep, port = value.rpartition(":")
+    _host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"expected HOST:PORT, got {value!r}")
     return value

@@ -580,13 +580,13 @@ def _request_invariants(pool: PoolFacts, requests: list[RequestFacts]) -> list[s
         ids = np.frombuffer(refs.ids, dtype=np.uint64)
         counts = np.frombuffer(refs.ref_counts, dtype=np.uint64)
         if len(ids) and np.array_equal(ids, np.arange(len(ids), dtype=np.uint64)):
-            lookup = lambda bid: int(counts[bid]) if 0 <= bid < len(counts) else 0  # noqa: E731 - dense ids
+            lookup = lambda bid: int(counts[bid]) if 0 <= bid < len(counts) else 0
         else:
             table = dict(zip(refs.ids, refs.ref_counts, strict=True))
-            lookup = lambda bid: table.get(bid, 0)  # noqa: E731
+            lookup = lambda bid: table.get(bid, 0)
     else:
         table = {r.block_id: r.ref_count for r in refs}
-        lookup = lambda bid: table.get(bid, 0)  # noqa: E731
+        lookup = lambda bid: table.get(bid, 0)
     if any(lookup(bid) < n for bid, n in counted.items()):
         return ["block_ids_referenced"]
     return []

@@ -41,15 +41,6 @@ import numpy as np
 import orjson
 
 from kvledger.blockrefs import BlockRefArray
-from kvledger.limits import (
-    MAX_BLOCKS,
-    MAX_CONTEXTS,
-    MAX_LAYER_GROUPS,
-    MAX_REF_COUNT,
-    MAX_REQUESTS,
-    MAX_SAFE_INT,
-    MAX_TOKENS,
-)
 from kvledger.facts import (
     ADMISSIONS,
     BUDGET_CATEGORIES,
@@ -67,6 +58,15 @@ from kvledger.facts import (
     PoolFacts,
     RequestFacts,
     TenantQuota,
+)
+from kvledger.limits import (
+    MAX_BLOCKS,
+    MAX_CONTEXTS,
+    MAX_LAYER_GROUPS,
+    MAX_REF_COUNT,
+    MAX_REQUESTS,
+    MAX_SAFE_INT,
+    MAX_TOKENS,
 )
 
 SCHEMA_ID = "kvledger/v1"

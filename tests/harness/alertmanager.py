@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from harness.httpjson import get_json
-from harness.process import ManagedProcess, start_ready, ProcessError, free_port
+from harness.process import ManagedProcess, ProcessError, free_port, start_ready
 
 
 def alertmanager_binary() -> str:

@@ -40,7 +40,7 @@ class ManagedProcess:
                  env: dict[str, str] | None = None) -> None:
         self.argv = list(argv)
         self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
             self.argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd,
             env={**os.environ, **(env or {})}, start_new_session=True,

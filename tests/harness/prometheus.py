@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 
 from harness.httpjson import get_json, wait_until
-from harness.process import ManagedProcess, start_ready, free_port, require_binary
+from harness.process import ManagedProcess, free_port, require_binary, start_ready
 
 
 class PrometheusAPIError(RuntimeError):

@@ -170,8 +170,7 @@ def replay(url: str, start_seq: int = 0, timeout: float = 10.0) -> list[EventBat
 
 def iter_events(batches: Iterable[EventBatch]) -> Iterable[dict[str, Any]]:
     for batch in sorted(batches, key=lambda b: b.seq):
-        for event in batch.events:
-            yield event
+        yield from batch.events
 
 
 def cached_hashes(batches: Iterable[EventBatch]) -> Counter[int]:

@@ -351,7 +351,7 @@ class VllmServer:
             raise VllmStartError(
                 f"no vLLM venv at {vllm_venv()}: run tests/vllm_real/setup_env.sh"
             )
-        log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        log = open(self.log_path, "ab")
         log.write(f"\n==== start {time.strftime('%H:%M:%S')}: {self.command()}\n".encode())
         log.flush()
         self._log_file = log

@@ -29,7 +29,7 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "kvledger-ledger/1"
     protocol_version = "HTTP/1.1"
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server API
+    def do_GET(self) -> None:
         owner: LedgerServer = self.server.owner  # type: ignore[attr-defined]
         fault = owner.fault
         if fault == "hang":
@@ -56,7 +56,7 @@ class _Handler(BaseHTTPRequestHandler):
     def address_string(self) -> str:  # Unix sockets have no peer address
         return str(self.client_address[0]) if self.client_address else "unix"
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
+    def log_message(self, format: str, *args: Any) -> None:
         return
 
 

@@ -73,8 +73,21 @@ class PoolSpec:
 class _Pool:
     """Physical blocks of one pool."""
 
-    __slots__ = ("spec", "ref", "cached", "hash_of", "by_hash", "free", "lru", "in_use", "references", "shared",
-                 "cached_count", "reported_used", "listeners")
+    __slots__ = (
+        "by_hash",
+        "cached",
+        "cached_count",
+        "free",
+        "hash_of",
+        "in_use",
+        "listeners",
+        "lru",
+        "ref",
+        "references",
+        "reported_used",
+        "shared",
+        "spec",
+    )
 
     def __init__(self, spec: PoolSpec) -> None:
         self.spec = spec
@@ -458,7 +471,7 @@ class Ledger:
             raise ValueError("block_ids and hashes differ in length")
         with self._lock:
             p = self._pool(self._default_pool if pool is None else pool)
-            for block, key in zip(block_ids, hashes):
+            for block, key in zip(block_ids, hashes, strict=False):  # extra hashes (none expected) are ignored
                 p.mark_cached(block, key)
 
     def request_blocks(self, request_id: str) -> list[int]:

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import os
 import tempfile
-from urllib.parse import urlsplit
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from kvledger.config import EngineConfig, HostConfig, LimitConfig, MemoryConfig, ProcessMatch, TenantConfig
-from kvledger.integration.reference_ledger import PoolSpec
 from kvledger.integration.document_server import LedgerServer, serve_http, serve_unix
+from kvledger.integration.reference_ledger import PoolSpec
 from kvledger.sim.engine import GiB, SimEngine, SimProfile
 from kvledger.sim.gpu import SimGpuSource
 from kvledger.sim.vllm_frontend import VllmFrontend

@@ -279,7 +279,8 @@ class SimEngine:
                 if doc["output_bound"] == "cap":
                     tokens = min(tokens, doc["max_output_tokens"] - doc["generated_tokens"])
             if tokens <= 0:
-                if doc["generated_tokens"] >= req.target_output or doc["generated_tokens"] >= doc["max_output_tokens"] and doc["output_bound"] == "cap":
+                capped = doc["generated_tokens"] >= doc["max_output_tokens"] and doc["output_bound"] == "cap"
+                if doc["generated_tokens"] >= req.target_output or capped:
                     self._finish(rid, doc["generated_tokens"])
                 continue
             if not self._advance(rid, tokens):

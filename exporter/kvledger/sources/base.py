@@ -17,9 +17,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvledger.facts_merge import merge
 from kvledger.facts import EngineFacts, GpuFacts, Snapshot
-
+from kvledger.facts_merge import merge
 
 
 class SourceError(Exception):

@@ -220,7 +220,7 @@ class HttpClient:
         try:
             try:
                 conn.connect()
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 raise SourceError("timeout", f"{self.where}: connect timed out after {self.timeout:g}s") from None
             except ssl.SSLError as exc:
                 raise SourceError("connect", f"{self.where}: TLS handshake failed: {exc.reason or exc}") from None
@@ -233,7 +233,7 @@ class HttpClient:
                 body = self._exchange(conn)
             except SourceError as exc:
                 error = (exc.reason, exc.message)
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 error = ("timeout", self._late())
             except (http.client.HTTPException, ssl.SSLError, OSError, ValueError) as exc:
                 error = _classify(exc, self.where)

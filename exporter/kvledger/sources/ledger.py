@@ -17,10 +17,11 @@ import hashlib
 import orjson
 
 from kvledger.config import EngineConfig
-from kvledger.protocol import ProtocolError, facts_from_document
 from kvledger.memory import release_freed_memory
+from kvledger.protocol import ProtocolError, facts_from_document
 from kvledger.sources.base import EngineContribution, Source, SourceError
 from kvledger.sources.http_client import LARGE_BODY, HttpClient
+
 
 class LedgerSource(Source):
     kind = "ledger"

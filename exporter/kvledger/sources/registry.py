@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 from kvledger.config import Config, ConfigError, EngineConfig
 from kvledger.engine_kinds import KINDS
-from kvledger.facts_merge import configured_facts
 from kvledger.facts import EngineFacts
+from kvledger.facts_merge import configured_facts
 from kvledger.sources.base import Source, SourceError
 
 

@@ -34,10 +34,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from kvledger.config import EngineConfig
-from kvledger.limits import MAX_BLOCKS, MAX_SAFE_INT, MAX_TOKENS
-from kvledger.facts import EngineFacts, PoolFacts, RequestCounts
 from kvledger.block_bytes import ModelConfigError, ModelKvShape, kv_shape, load_model_config
+from kvledger.config import EngineConfig
+from kvledger.facts import EngineFacts, PoolFacts, RequestCounts
+from kvledger.limits import MAX_BLOCKS, MAX_SAFE_INT, MAX_TOKENS
 from kvledger.sources.base import SourceError
 from kvledger.sources.prom_text import Exposition, Sample, finite, parse_exposition, samples
 

@@ -18,14 +18,14 @@ import math
 import re
 from typing import Any
 
+from kvledger.block_bytes import ModelConfigError, load_model_config
 from kvledger.config import EngineConfig
 from kvledger.facts import EngineFacts
-from kvledger.block_bytes import ModelConfigError, load_model_config
 from kvledger.sources.base import EngineContribution, Source, SourceError, SubsourceReport
 from kvledger.sources.http_client import HttpClient
 from kvledger.sources.vllm.events_subscriber import KvEventSubscriber
-from kvledger.sources.vllm.startup_log import VllmLogReader, memory_terms
 from kvledger.sources.vllm.metrics import vllm_facts_from_metrics
+from kvledger.sources.vllm.startup_log import VllmLogReader, memory_terms
 
 _START_TIME = re.compile(r"^process_start_time_seconds(?:\{\})? (\S+)(?: -?[0-9]+)?$", re.MULTILINE)
 
