@@ -20,7 +20,7 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/kvledger demo --listen $(LISTEN)
 
-# Debian packages the tests drive for real: Prometheus (promtool), Alertmanager (amtool), gcc.
+# Debian packages the tests drive for real: Prometheus (promtool), Alertmanager (amtool), gcc, openssl (test certificates).
 system-deps:
 	@missing=""; \
 	command -v prometheus   >/dev/null || missing="$$missing prometheus"; \
@@ -28,6 +28,7 @@ system-deps:
 	command -v alertmanager >/dev/null || missing="$$missing prometheus-alertmanager"; \
 	command -v amtool       >/dev/null || missing="$$missing prometheus-alertmanager"; \
 	command -v gcc          >/dev/null || missing="$$missing gcc"; \
+	command -v openssl      >/dev/null || missing="$$missing openssl"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
