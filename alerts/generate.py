@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Generate the Prometheus rule file alerts/kvledger.rules.yml.
 
-The alerts of DESIGN.md section 6 and the fleet recording rules are defined here once;
+The alerts of docs/design.md §6 and the fleet recording rules are defined here once;
 every threshold, window and `for` duration comes from alerts/thresholds.yml. The rule
 file is generated, committed, and never edited by hand:
 

@@ -1,4 +1,4 @@
-"""Daemon RSS and CPU at the DESIGN §9 load: 8 engines serving kvledger/v1 ledgers with
+"""Daemon RSS and CPU at the docs/design.md §9 load: 8 engines serving kvledger/v1 ledgers with
 10,000 in-flight requests in all and 16 tenants each, polled every second, scraped every
 15 s. Budgets: RSS <= 80 MB, CPU <= 2 % of a core.
 

@@ -1,4 +1,4 @@
-"""Where a busy daemon's CPU goes: one engine's poll at the DESIGN §9 load, by phase.
+"""Where a busy daemon's CPU goes: one engine's poll at the docs/design.md §9 load, by phase.
 
 One engine of bench_daemon.py's load (1,250 requests, 16 tenants, a document that changes at
 every poll), medians over repeated runs of each phase in this process:

@@ -1,4 +1,4 @@
-"""Synthetic facts at the DESIGN §9 budget sizes, shared by the benchmarks."""
+"""Synthetic facts at the docs/design.md §9 budget sizes, shared by the benchmarks."""
 
 from __future__ import annotations
 

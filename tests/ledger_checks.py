@@ -1,4 +1,4 @@
-"""Helpers shared by the ledger, simulator and policy tests: R(r) of DESIGN section 2 in
+"""Helpers shared by the ledger, simulator and policy tests: R(r) of docs/design.md §2 in
 plain integers, and a kvledger/v1 document's pool summaries checked against counts made
 independently, block by block and request by request."""
 
@@ -10,11 +10,11 @@ from typing import Any
 
 
 def design_reservation(p: int, o: int, b: int, *, max_model_len: int, n: int, k: int, window: int | None) -> int:
-    """R(r) of DESIGN.md section 2, in plain integers:
+    """R(r) of docs/design.md §2, in plain integers:
     T = ceil(min(P + O + k, L) / B); R = T + (n - 1) * (T - floor(P / B));
     with a window W: R = min(R, n * (ceil(W / B) + 1)).
     floor(P / B) is taken at most T: a prompt longer than L (an engine rejects it) shares
-    at most the T blocks there are (DESIGN does not say; without it R could fall below T)."""
+    at most the T blocks there are (the contract does not say; without it R could fall below T)."""
     t = math.ceil(min(p + o + k, max_model_len) / b)
     r = t + (n - 1) * (t - min(p // b, t))
     if window is not None:

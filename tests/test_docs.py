@@ -25,3 +25,22 @@ def test_stale_reference_detected(tmp_path: Path) -> None:
     p.write_text(stale)
     assert main(["--check", str(p)]) == 1
     assert main([str(p)]) == 0 and main(["--check", str(p)]) == 0
+
+
+def test_design_references_point_into_docs_design() -> None:
+    """Contributors read docs/design.md: every "docs/design.md §N" names a section of it, and
+    no reference points at the old out-of-repository DESIGN sections."""
+    import re
+
+    design = (ROOT / "docs" / "design.md").read_text()
+    sections = set(re.findall(r"^## (\d+b?)\. ", design, re.MULTILINE))
+    bad: list[str] = []
+    for path in [*ROOT.glob("exporter/**/*.py"), *ROOT.glob("tests/**/*.py"), *ROOT.glob("bench/*.py"),
+                 *ROOT.glob("alerts/**/*.y*ml"), *ROOT.glob("alerts/*.py"), *ROOT.glob("docs/**/*.md"), ROOT / "README.md"]:
+        text = path.read_text()
+        for ref in re.findall(r"docs/design\.md §(\d+b?)", text):
+            if ref not in sections:
+                bad.append(f"{path.relative_to(ROOT)}: docs/design.md §{ref} does not exist")
+        if re.search(r"DESIGN(\.md)? (§|section)", text) and path.name != "test_docs.py":
+            bad.append(f"{path.relative_to(ROOT)}: refers to DESIGN sections outside the repository")
+    assert bad == []

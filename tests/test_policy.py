@@ -1,4 +1,4 @@
-"""The policy against hand computation (each formula of DESIGN §2)."""
+"""The policy against hand computation (each formula of docs/design.md §2)."""
 
 from __future__ import annotations
 

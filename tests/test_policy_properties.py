@@ -2,7 +2,7 @@
 
 The policy's outputs are compared with an independent model written here: the physical
 state by walking every block id of the pool, reference counts taken from the requests'
-block_ids; reservations by a plain loop over the requests from the formulas of DESIGN.md
+block_ids; reservations by a plain loop over the requests from the formulas of docs/design.md
 section 2. Nothing below calls the policy's helpers to compute an expected value.
 """
 
@@ -114,7 +114,7 @@ class Reserved:
 def loop_reservations(
     pool: PoolFacts, requests: list[RequestFacts], max_model_len: int, sharing: str, walked: Walked
 ) -> Reserved:
-    """DESIGN.md section 2 by a plain loop over the requests (admitted = running or preempted)."""
+    """docs/design.md §2 by a plain loop over the requests (admitted = running or preempted)."""
     b, c = pool.block_size, pool.num_blocks
     claimed = growth_cap = growth_estimate = running = computed = 0
     for r in requests:

@@ -28,7 +28,7 @@ def run(name, steps, fault="none", seed=7, check_every=10, leaks_possible=False)
 
 
 def reserved_blocks(doc):
-    """Sum of R(r) over admitted requests, from DESIGN section 2 written in the tests (the
+    """Sum of R(r) over admitted requests, from docs/design.md §2 written in the tests (the
     simulator's admission uses the policy's reservation_blocks)."""
     budgets = doc["budgets"]
     pool = doc["pools"][0]
