@@ -91,9 +91,9 @@ class LedgerServer:
             self.url = f"unix://{unix_path}"
         else:
             self._server = _TcpServer((host, port), _Handler)
-            bound_host, bound_port = self._server.server_address[:2]  # type: ignore[misc]
+            bound_host, bound_port = self._server.server_address[:2]
             self.url = f"http://{bound_host}:{bound_port}/"
-        self._server.owner = self  # type: ignore[attr-defined]
+        self._server.owner = self
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), name=f"ledger-server {self.url}", daemon=True)
 
     def start(self) -> LedgerServer:
