@@ -7,7 +7,7 @@ STAMP   = $(VENV)/.installed
 SUDO    = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 LISTEN ?= 127.0.0.1:9477
 
-.PHONY: demo test test-fast test-vllm fuzz system-deps venv dashboards dashboards-check alerts previews bench clean golden
+.PHONY: demo test test-fast lint test-vllm fuzz system-deps venv dashboards dashboards-check alerts previews bench clean golden
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ test: $(STAMP) system-deps
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not e2e and not vllm"
 
+# The type gate by hand (the tests run it too: tests/test_type_gate.py).
+lint: $(STAMP)
+	$(PY) -m ruff check . && $(PY) -m mypy
+
 # Every input parser fuzzed with FUZZ_EXAMPLES hypothesis examples per test (make test: 200).
 FUZZ_EXAMPLES ?= 10000
 fuzz: $(STAMP)
@@ -71,4 +75,4 @@ bench: $(STAMP)
 	$(PY) bench/run_all.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache tests/_build
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache tests/_build

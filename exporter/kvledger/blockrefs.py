@@ -21,7 +21,7 @@ from kvledger.facts import BlockRef
 class BlockRefArray(Sequence[BlockRef]):
     __slots__ = ("cached", "ids", "ref_counts")
 
-    def __init__(self, ids: array, ref_counts: array, cached: bytes) -> None:
+    def __init__(self, ids: array[int], ref_counts: array[int], cached: bytes) -> None:
         if not len(ids) == len(ref_counts) == len(cached):
             raise ValueError("block_refs columns differ in length")
         self.ids = ids  # array('Q')

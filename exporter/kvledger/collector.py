@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from kvledger.catalog import CATALOG
 from kvledger.config import LimitsConfig
-from kvledger.facts import EngineFacts, Snapshot, SourceHealth
+from kvledger.facts import EngineFacts, Sharing, Snapshot, SourceHealth
 from kvledger.label_limits import LabelLimitError, limit_labels
 from kvledger.policy import Accounts, EngineAccount, budget_terms, engine_account, gpu_accounts
 from kvledger.sources.base import Contribution, EngineContribution, GpuContribution, Source, SourceError
@@ -56,7 +56,7 @@ class _Reconfiguration:
     sources: list[Source]
     base_engines: list[EngineFacts]
     timeouts: dict[int, float]
-    sharing: str
+    sharing: Sharing
     interval: float
     limits: LimitsConfig
     done: threading.Event = field(default_factory=threading.Event)
@@ -85,7 +85,7 @@ def _timed_poll(source: Source) -> _PollOutcome:
 class Collector:
     sources: Sequence[Source]
     base_engines: Sequence[EngineFacts] = ()
-    sharing: str = "per-request"
+    sharing: Sharing = "per-request"
     interval: float = 1.0
     timeouts: dict[int, float] = field(default_factory=dict)  # id(source) -> seconds
     default_timeout: float = 2.0
@@ -129,7 +129,7 @@ class Collector:
         sources: Sequence[Source],
         base_engines: Sequence[EngineFacts],
         timeouts: dict[int, float],
-        sharing: str,
+        sharing: Sharing,
         interval: float,
         limits: LimitsConfig,
         wait: float = 10.0,
@@ -296,7 +296,7 @@ class Collector:
         taken_at = time.time()
         snapshot = Snapshot(
             engines=[dataclasses.replace(e) for e in self.base_engines],
-            sharing=self.sharing,  # type: ignore[arg-type]  # checked by the config loader
+            sharing=self.sharing,
             taken_at=taken_at,
         )
         fresh: set[str] = set()  # engines whose primary facts are new this cycle

@@ -22,7 +22,20 @@ from typing import Any, TypeVar
 import yaml
 
 from kvledger.engine_kinds import KINDS, PLANNED, kind_specific_keys
-from kvledger.facts import ADMISSIONS, LIMIT_KINDS, OVERFLOWS, SHARINGS, TERM_SOURCES
+from kvledger.facts import (
+    ADMISSIONS,
+    LIMIT_KINDS,
+    NVML_ENABLED,
+    OVERFLOWS,
+    SHARINGS,
+    TERM_SOURCES,
+    Admission,
+    LimitKind,
+    NvmlEnabled,
+    Overflow,
+    Sharing,
+    TermSource,
+)
 from kvledger.limits import MAX_SAFE_INT, MAX_TOKENS
 
 DEFAULT_LISTEN = "0.0.0.0:9477"
@@ -48,13 +61,13 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class SizeWithSource:
     value: int
-    source: str = "configured"  # measured | configured | estimate
+    source: TermSource = "configured"
 
 
 @dataclass(frozen=True)
 class LimitConfig:
     value: float
-    kind: str = "hard"  # hard | estimate
+    kind: LimitKind = "hard"
 
 
 @dataclass(frozen=True)
@@ -100,8 +113,8 @@ class EngineConfig:
     timeout_seconds: float = DEFAULT_TIMEOUT
     #: the kind's own keys (engine_kinds: EngineKind.options), as (name, value) pairs
     options: tuple[tuple[str, str], ...] = ()
-    admission: str | None = None
-    overflow: str | None = None
+    admission: Admission | None = None
+    overflow: Overflow | None = None
     block_bytes: int | None = None
     model: ModelDerivation | None = None
     max_model_len: int | None = None
@@ -130,14 +143,14 @@ class LimitsConfig:
 
 @dataclass(frozen=True)
 class NvmlConfig:
-    enabled: str = "auto"  # auto | true | false
+    enabled: NvmlEnabled = "auto"
 
 
 @dataclass(frozen=True)
 class Config:
     listen: str = DEFAULT_LISTEN
     interval_seconds: float = DEFAULT_INTERVAL
-    sharing: str = "per-request"
+    sharing: Sharing = "per-request"
     nvml: NvmlConfig = field(default_factory=NvmlConfig)
     engines: tuple[EngineConfig, ...] = ()
     json_view: bool = False
@@ -223,6 +236,8 @@ def _duration_in(minimum: float, maximum: float) -> Callable[[Any], float]:
 # ---------------------------------------------------------------- structure helpers
 
 T = TypeVar("T")
+D = TypeVar("D")
+L = TypeVar("L", bound=str)
 
 
 class _Reader:
@@ -243,21 +258,26 @@ class _Reader:
     def has(self, key: str) -> bool:
         return key in self.data and self.data[key] is not None
 
-    def get(self, key: str, conv: Callable[[Any], T], default: T) -> T:
+    def get(self, key: str, conv: Callable[[Any], T], default: D) -> T | D:
+        """conv(value) when the key is given (not null), else default."""
         self.seen.add(key)
         if key not in self.data or self.data[key] is None:
             return default
+        return self._convert(key, conv)
+
+    def require(self, key: str, conv: Callable[[Any], T]) -> T:
+        if key not in self.data or self.data[key] is None:
+            raise self.error("is required", key)
+        self.seen.add(key)
+        return self._convert(key, conv)
+
+    def _convert(self, key: str, conv: Callable[[Any], T]) -> T:
         try:
             return conv(self.data[key])
         except ConfigError:
             raise
         except (ValueError, TypeError) as exc:
             raise self.error(str(exc), key) from None
-
-    def require(self, key: str, conv: Callable[[Any], T]) -> T:
-        if key not in self.data or self.data[key] is None:
-            raise self.error("is required", key)
-        return self.get(key, conv, None)  # type: ignore[arg-type]
 
     def child(self, key: str) -> _Reader | None:
         self.seen.add(key)
@@ -271,13 +291,14 @@ class _Reader:
             raise self.error(f"unknown key(s): {', '.join(unknown)}")
 
 
-def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
-    def conv(value: Any) -> str:
+def _choice(options: tuple[L, ...]) -> Callable[[Any], L]:
+    def conv(value: Any) -> L:
         if isinstance(value, bool):  # YAML turns true/false into booleans
             value = "true" if value else "false"
-        if not isinstance(value, str) or value not in options:
-            raise ValueError(f"must be one of {', '.join(options)}; got {value!r}")
-        return value
+        for option in options:
+            if value == option and isinstance(value, str):
+                return option
+        raise ValueError(f"must be one of {', '.join(options)}; got {value!r}")
 
     return conv
 
@@ -319,16 +340,16 @@ def _nonneg_number(value: Any) -> float:
     return float(value)
 
 
-def _listen(value: Any) -> str:
-    value = _str(value)
+def _listen(raw: Any) -> str:
+    value = _str(raw)
     _host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"expected HOST:PORT, got {value!r}")
     return value
 
 
-def _url(value: Any) -> str:
-    value = _str(value)
+def _url(raw: Any) -> str:
+    value = _str(raw)
     if not re.match(r"^(https?://|unix://|tcp://|ipc://)", value):
         raise ValueError(f"expected an http(s)://, unix://, tcp:// or ipc:// address, got {_brief(value)}")
     if value.startswith("unix://") and not re.match(r"^unix:///[^/]", value):
@@ -405,7 +426,7 @@ def _engine(r: _Reader, names: set[str]) -> EngineConfig:
         m.finish()
     processes = None
     if (p := r.child("processes")) is not None:
-        processes = ProcessMatch(p.get("match", _str, None), p.get("pids", _int_list, ()))  # type: ignore[arg-type]
+        processes = ProcessMatch(p.get("match", _str, None), p.get("pids", _int_list, ()))
         p.finish()
         if processes.match is None and not processes.pids:
             raise r.error("needs 'match' or 'pids'", "processes")
@@ -420,7 +441,7 @@ def _engine(r: _Reader, names: set[str]) -> EngineConfig:
         memory = MemoryConfig(terms)
     host = HostConfig()
     if (h := r.child("host")) is not None:
-        port = h.get("port", _pos_int, None)  # type: ignore[arg-type]
+        port = h.get("port", _pos_int, None)
         if port is not None and port > 65535:
             raise h.error("must be a TCP port (1-65535)", "port")
         host = HostConfig(
@@ -450,13 +471,13 @@ def _engine(r: _Reader, names: set[str]) -> EngineConfig:
             for o in KINDS[kind].options
             if (value := r.get(o.name, _url if o.value == "address" else _str, None)) is not None
         ),
-        admission=r.get("admission", _choice(ADMISSIONS), None),  # type: ignore[arg-type]
-        overflow=r.get("overflow", _choice(OVERFLOWS), None),  # type: ignore[arg-type]
-        block_bytes=r.get("block_bytes", parse_size, None),  # type: ignore[arg-type]
+        admission=r.get("admission", _choice(ADMISSIONS), None),
+        overflow=r.get("overflow", _choice(OVERFLOWS), None),
+        block_bytes=r.get("block_bytes", parse_size, None),
         model=model,
-        max_model_len=r.get("max_model_len", _tokens, None),  # type: ignore[arg-type]
-        max_num_batched_tokens=r.get("max_num_batched_tokens", _tokens, None),  # type: ignore[arg-type]
-        max_num_seqs=r.get("max_num_seqs", _tokens, None),  # type: ignore[arg-type]
+        max_model_len=r.get("max_model_len", _tokens, None),
+        max_num_batched_tokens=r.get("max_num_batched_tokens", _tokens, None),
+        max_num_seqs=r.get("max_num_seqs", _tokens, None),
         gpus=r.get("gpus", _int_list, ()),
         processes=processes,
         memory=memory,
@@ -474,13 +495,13 @@ def config_from_mapping(data: object, file: str = "<config>") -> Config:
     top = _Reader(file, "", data)
     listen = top.get("listen", _listen, DEFAULT_LISTEN)
     interval = top.get("interval_seconds", _duration_in(MIN_INTERVAL, MAX_INTERVAL), DEFAULT_INTERVAL)
-    sharing = "per-request"
+    sharing: Sharing = "per-request"
     if (pol := top.child("policy")) is not None:
         sharing = pol.get("sharing", _choice(SHARINGS), "per-request")
         pol.finish()
     nvml = NvmlConfig()
     if (n := top.child("nvml")) is not None:
-        nvml = NvmlConfig(n.get("enabled", _choice(("auto", "true", "false")), "auto"))
+        nvml = NvmlConfig(n.get("enabled", _choice(NVML_ENABLED), "auto"))
         n.finish()
     json_view = top.get("json_view", _bool, False)
     otlp = None
@@ -495,7 +516,7 @@ def config_from_mapping(data: object, file: str = "<config>") -> Config:
             lim.get("label_value_length", _label_length, DEFAULT_MAX_LABEL_LENGTH),
         )
         lim.finish()
-    web_config_file = top.get("web_config_file", _str, None)  # type: ignore[arg-type]
+    web_config_file = top.get("web_config_file", _str, None)
     if web_config_file is not None and file != "<config>":
         web_config_file = str(Path(file).parent / web_config_file)
     top.seen.add("engines")

@@ -19,15 +19,19 @@ Overflow = Literal["preempt-recompute", "reject", "swap", "unknown"]
 Sharing = Literal["per-request", "reference-aware"]
 TermSource = Literal["measured", "configured", "estimate"]
 LimitKind = Literal["hard", "estimate"]
+NvmlEnabled = Literal["auto", "true", "false"]
 
-ADMISSIONS: tuple[str, ...] = ("reserve-cap", "dynamic")
-OVERFLOWS: tuple[str, ...] = ("preempt-recompute", "reject", "swap", "unknown")
-SHARINGS: tuple[str, ...] = ("per-request", "reference-aware")
-REQUEST_STATES: tuple[str, ...] = ("running", "waiting", "preempted")
-OUTPUT_BOUNDS: tuple[str, ...] = ("cap", "estimate")
+# The value tuples below spell out their Literal (tests/test_type_gate.py checks they agree).
+
+ADMISSIONS: tuple[Admission, ...] = ("reserve-cap", "dynamic")
+OVERFLOWS: tuple[Overflow, ...] = ("preempt-recompute", "reject", "swap", "unknown")
+SHARINGS: tuple[Sharing, ...] = ("per-request", "reference-aware")
+REQUEST_STATES: tuple[RequestState, ...] = ("running", "waiting", "preempted")
+OUTPUT_BOUNDS: tuple[OutputBound, ...] = ("cap", "estimate")
 BUDGET_CATEGORIES: tuple[str, ...] = ("weights", "workspace", "runtime_buffers", "reserve", "kv_pool")
-TERM_SOURCES: tuple[str, ...] = ("measured", "configured", "estimate")
-LIMIT_KINDS: tuple[str, ...] = ("hard", "estimate")
+TERM_SOURCES: tuple[TermSource, ...] = ("measured", "configured", "estimate")
+LIMIT_KINDS: tuple[LimitKind, ...] = ("hard", "estimate")
+NVML_ENABLED: tuple[NvmlEnabled, ...] = ("auto", "true", "false")
 COUNTER_NAMES: tuple[str, ...] = (
     "preemptions",
     "reservation_overflows",

@@ -39,16 +39,16 @@ def configured_facts(cfg: EngineConfig) -> EngineFacts:
     GPU 0 when it names none: ``merge`` spreads them over the engine's own GPUs)."""
     gpus = list(cfg.gpus)
     memory = [
-        MemoryTerm(gpu, category, term.value, term.source)  # type: ignore[arg-type]  # loader checks the Literal
+        MemoryTerm(gpu, category, term.value, term.source)
         for category, term in cfg.memory.terms.items()
         for gpu in (gpus or [0])
     ]
     limits = cfg.host
     host = HostFacts(
-        output_buffer_limit=Limit(limits.output_buffer_limit_bytes.value, limits.output_buffer_limit_bytes.kind)  # type: ignore[arg-type]
+        output_buffer_limit=Limit(limits.output_buffer_limit_bytes.value, limits.output_buffer_limit_bytes.kind)
         if limits.output_buffer_limit_bytes
         else None,
-        network_queue_limit=Limit(limits.network_queue_limit.value, limits.network_queue_limit.kind)  # type: ignore[arg-type]
+        network_queue_limit=Limit(limits.network_queue_limit.value, limits.network_queue_limit.kind)
         if limits.network_queue_limit
         else None,
     )
@@ -56,8 +56,8 @@ def configured_facts(cfg: EngineConfig) -> EngineFacts:
         name=cfg.name,
         kind=cfg.kind,
         source=cfg.kind,
-        admission=cfg.admission,  # type: ignore[arg-type]  # loader checks the Literal
-        overflow=cfg.overflow,  # type: ignore[arg-type]
+        admission=cfg.admission,
+        overflow=cfg.overflow,
         budgets=Budgets(
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_num_seqs=cfg.max_num_seqs,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from typing import Any
 
 from kvledger.config import LimitsConfig
 from kvledger.facts import EngineFacts
@@ -46,7 +47,7 @@ def limit_labels(facts: EngineFacts, limits: LimitsConfig) -> tuple[EngineFacts,
     """A copy of ``facts`` within ``limits`` (``facts`` itself when nothing needed to change)."""
     n = limits.label_value_length
     counts: LimitCounts = {}
-    changes: dict[str, object] = {}
+    changes: dict[str, Any] = {}  # EngineFacts field -> its new value, for dataclasses.replace
     if len(facts.pools) > limits.pools_per_engine:
         counts[("pool", "dropped")] = len(facts.pools) - limits.pools_per_engine
         raise LabelLimitError(
@@ -89,4 +90,4 @@ def limit_labels(facts: EngineFacts, limits: LimitsConfig) -> tuple[EngineFacts,
         ]
     if not changes:
         return facts, counts
-    return dataclasses.replace(facts, **changes), counts  # type: ignore[arg-type]  # field values of EngineFacts
+    return dataclasses.replace(facts, **changes), counts

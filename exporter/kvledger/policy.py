@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
@@ -334,21 +334,21 @@ class RequestColumns:
 
     @property
     def preempted(self) -> np.ndarray:
-        return self.admitted & ~self.running
+        return np.asarray(self.admitted & ~self.running)
 
     @property
     def waiting(self) -> np.ndarray:
-        return ~self.admitted
+        return np.asarray(~self.admitted)
 
     @property
     def claimed(self) -> np.ndarray:
         """max(R(r), held(r)): what one request claims, counted alone (per-request rule)."""
-        return np.maximum(self.reservation, self.held)
+        return np.asarray(np.maximum(self.reservation, self.held))
 
     @property
     def growth(self) -> np.ndarray:
         """max(0, R(r) - held(r)): the pending growth of one request."""
-        return np.maximum(0, self.reservation - self.held)
+        return np.asarray(np.maximum(0, self.reservation - self.held))
 
 
 def _column(requests: list[RequestFacts], attr: str) -> np.ndarray:
@@ -472,7 +472,7 @@ def admission_headroom(
     """
     if reserved is None or max_model_len is None:
         return None
-    per_request = ceil_div(max_model_len, block_size)
+    per_request: int = ceil_div(max_model_len, block_size)
 
     def fit(res: float | None) -> float | None:
         if res is None:
@@ -579,6 +579,7 @@ def _request_invariants(pool: PoolFacts, requests: list[RequestFacts]) -> list[s
     if isinstance(refs, BlockRefArray):
         ids = np.frombuffer(refs.ids, dtype=np.uint64)
         counts = np.frombuffer(refs.ref_counts, dtype=np.uint64)
+        lookup: Callable[[int], int]
         if len(ids) and np.array_equal(ids, np.arange(len(ids), dtype=np.uint64)):
             lookup = lambda bid: int(counts[bid]) if 0 <= bid < len(counts) else 0
         else:

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from functools import lru_cache
 from importlib import resources
 from operator import itemgetter
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import orjson
@@ -54,6 +54,7 @@ from kvledger.facts import (
     EngineFacts,
     HostFacts,
     Limit,
+    LimitKind,
     MemoryTerm,
     PoolFacts,
     RequestFacts,
@@ -71,7 +72,7 @@ from kvledger.limits import (
 
 SCHEMA_ID = "kvledger/v1"
 #: kind of a limit whose document gives no ``*_limit_kind``: never present a guess as hard
-DEFAULT_LIMIT_KIND = "estimate"
+DEFAULT_LIMIT_KIND: LimitKind = "estimate"
 
 
 class ProtocolError(ValueError):
@@ -90,7 +91,7 @@ class ProtocolError(ValueError):
 def load_schema() -> dict[str, Any]:
     """The published JSON Schema (draft 2020-12) of kvledger/v1."""
     text = resources.files("kvledger").joinpath("schema/kvledger-v1.json").read_text()
-    return json.loads(text)
+    return cast(dict[str, Any], json.loads(text))
 
 
 @lru_cache(maxsize=1)
@@ -150,7 +151,7 @@ def _int(value: object, path: str, minimum: int = 0, maximum: int = MAX_SAFE_INT
     """An integer value in [minimum, maximum]; an integral float (2.0) counts as one."""
     if not (type(value) is int or (type(value) is float and math.isfinite(value) and value.is_integer())):
         raise ProtocolError(path, f"expected integer, got {_show(value)}")
-    n: int | float = value  # type: ignore[assignment]
+    n: int | float = value
     if n < minimum:
         raise ProtocolError(path, f"must be >= {minimum}, got {_show(value)}")
     if n > maximum:
@@ -162,7 +163,7 @@ def _number(value: object, path: str) -> float:
     """A finite number in [0, 2**53 - 1]."""
     if type(value) is not int and type(value) is not float:
         raise ProtocolError(path, f"expected number, got {_show(value)}")
-    x: int | float = value  # type: ignore[assignment]
+    x: int | float = value
     if type(x) is float and not math.isfinite(x):
         raise ProtocolError(path, f"must be a finite number, got {_show(x)}")
     if x < 0:
@@ -180,10 +181,16 @@ def _str(value: object, path: str, allow_empty: bool = False) -> str:
     return value
 
 
-def _enum(value: object, path: str, options: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in options:
-        raise ProtocolError(path, f"expected one of {', '.join(options)}; got {_show(value)}")
-    return value
+L = TypeVar("L", bound=str)
+
+
+def _enum(value: object, path: str, options: tuple[L, ...]) -> L:
+    """value as the member of options it equals (options are the values of a Literal)."""
+    if isinstance(value, str):
+        for option in options:
+            if value == option:
+                return option
+    raise ProtocolError(path, f"expected one of {', '.join(options)}; got {_show(value)}")
 
 
 def _obj(value: object, path: str) -> Mapping[str, Any]:
@@ -261,7 +268,7 @@ def _block_ids(value: object, path: str) -> list[int]:
     return [_int(v, f"{path}[{i}]") for i, v in enumerate(ids)]
 
 
-def _column_max(column: array) -> int:
+def _column_max(column: array[int]) -> int:
     return int(np.frombuffer(column, dtype=np.uint64).max())
 
 
@@ -288,7 +295,7 @@ def _pool(raw: object, path: str) -> PoolFacts:
         free=_opt(blocks, "free", f"{path}.blocks", _int, 0, MAX_BLOCKS),
         references=_opt(p, "references", path, _int),
         shared=_opt(p, "shared", path, _int, 0, MAX_BLOCKS),
-        block_refs=None if refs is None else _block_refs(refs, f"{path}.block_refs"),  # type: ignore[arg-type]
+        block_refs=None if refs is None else _block_refs(refs, f"{path}.block_refs"),
         cached_blocks=_opt(p, "cached_blocks", path, _int, 0, MAX_BLOCKS),
         engine_reported_used_blocks=_opt(p, "engine_reported_used_blocks", path, _number),
         layer_groups=1 if layer_groups is None else layer_groups,
@@ -329,12 +336,12 @@ def _request_fast(r: dict[str, Any], default_pool: str) -> RequestFacts | None:
         return None
     if type(output) is not int or not 0 <= output <= MAX_TOKENS:
         return None
-    out = RequestFacts(id=rid, state=state, prompt_tokens=prompt, max_output_tokens=output)  # type: ignore[arg-type]
+    out = RequestFacts(id=rid, state=state, prompt_tokens=prompt, max_output_tokens=output)
     bound = get("output_bound")
     if bound is not None:
         if type(bound) is not str or bound not in _BOUNDS:
             return None
-        out.output_bound = bound  # type: ignore[assignment]
+        out.output_bound = bound
     pool = get("pool")
     if pool is not None and type(pool) is not str:
         return None
@@ -371,13 +378,13 @@ def _request_checked(raw: object, path: str, default_pool: str) -> RequestFacts:
     ids = r.get("block_ids")
     out = RequestFacts(
         id=_req(r, "id", path, _str),
-        state=_req(r, "state", path, _enum, REQUEST_STATES),  # type: ignore[arg-type]
+        state=_req(r, "state", path, _enum, REQUEST_STATES),
         prompt_tokens=_req(r, "prompt_tokens", path, _int, 0, MAX_TOKENS),
         max_output_tokens=_req(r, "max_output_tokens", path, _int, 0, MAX_TOKENS),
     )
     get = r.get
     if (v := get("output_bound")) is not None:
-        out.output_bound = _enum(v, f"{path}.output_bound", OUTPUT_BOUNDS)  # type: ignore[assignment]
+        out.output_bound = _enum(v, f"{path}.output_bound", OUTPUT_BOUNDS)
     out.pool = _opt(r, "pool", path, _str, True) or default_pool
     if (v := get("tenant")) is not None:
         out.tenant = _str(v, f"{path}.tenant", True)
@@ -404,7 +411,7 @@ def _host(raw: object) -> HostFacts:
         kind = _opt(h, kind_key, "host", _enum, LIMIT_KINDS)
         value = _opt(h, key, "host", _number)
         if value is not None:
-            setattr(out, attr, Limit(float(value), kind or DEFAULT_LIMIT_KIND))  # type: ignore[arg-type]
+            setattr(out, attr, Limit(float(value), kind or DEFAULT_LIMIT_KIND))
     return out
 
 

@@ -19,7 +19,7 @@ import socketserver
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, cast
 
 Render = Callable[[], dict[str, Any] | bytes]
 FAULTS = (None, "garbage", "status", "hang")
@@ -30,7 +30,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def do_GET(self) -> None:
-        owner: LedgerServer = self.server.owner  # type: ignore[attr-defined]
+        owner = cast(_Owned, self.server).owner  # both server classes below are _Owned
         fault = owner.fault
         if fault == "hang":
             owner._stopping.wait(owner.hang_seconds)
@@ -60,12 +60,18 @@ class _Handler(BaseHTTPRequestHandler):
         return
 
 
-class _TcpServer(ThreadingHTTPServer):
+class _Owned:
+    """A server that knows the LedgerServer it serves (the handler reads it)."""
+
+    owner: LedgerServer
+
+
+class _TcpServer(ThreadingHTTPServer, _Owned):
     daemon_threads = True
     block_on_close = False
 
 
-class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer, _Owned):
     daemon_threads = True
     block_on_close = False
 
@@ -87,13 +93,14 @@ class LedgerServer:
         if unix_path is not None:
             if os.path.exists(unix_path):
                 os.unlink(unix_path)
-            self._server: socketserver.BaseServer = _UnixServer(unix_path, _Handler)
+            self._server: _UnixServer | _TcpServer = _UnixServer(unix_path, _Handler)
             self.url = f"unix://{unix_path}"
         else:
-            self._server = _TcpServer((host, port), _Handler)
-            bound_host, bound_port = self._server.server_address[:2]  # type: ignore[misc]
-            self.url = f"http://{bound_host}:{bound_port}/"
-        self._server.owner = self  # type: ignore[attr-defined]
+            tcp = _TcpServer((host, port), _Handler)
+            bound_host = cast(str, tcp.server_address[0])  # an AF_INET address is (host, port)
+            self.url = f"http://{bound_host}:{tcp.server_address[1]}/"
+            self._server = tcp
+        self._server.owner = self
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), name=f"ledger-server {self.url}", daemon=True)
 
     def start(self) -> LedgerServer:

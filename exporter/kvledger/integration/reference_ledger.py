@@ -268,7 +268,7 @@ class Ledger:
 
     def _reservation(self, req: _Request, max_output_tokens: int | None = None) -> int:
         spec = self._pools[req.pool].spec
-        return reservation_blocks(
+        blocks: int = reservation_blocks(  # int arguments give an int
             req.prompt_tokens,
             req.max_output_tokens if max_output_tokens is None else max_output_tokens,
             spec.block_size,
@@ -277,6 +277,7 @@ class Ledger:
             speculative_slots=req.speculative_slots,
             sliding_window=spec.sliding_window,
         )
+        return blocks
 
     def _fits(self, req: _Request, reservation: int, previous: int) -> bool:
         """Whether replacing ``previous`` blocks of reservation by ``reservation`` keeps every promise."""

@@ -137,7 +137,7 @@ class SimEngine:
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
         #: called at the end of every step, under the step lock (the ledger is between steps)
-        self.step_listeners: list[Callable[[], None]] = []
+        self.step_listeners: list[Callable[[], object]] = []  # called after each step; results ignored
 
     # ------------------------------------------------------------ setup
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvledger.facts import GpuFacts, GpuProcess
 from kvledger.sim.engine import SimEngine
@@ -32,7 +32,7 @@ class SimGpuSource(Source):
         total_bytes: int = 80 * GiB,
         driver_reserved_bytes: int = 512 * 2**20,
         seed: int = 0,
-        clock: object = time.monotonic,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engines = list(engines)
         self.count = count
@@ -40,11 +40,11 @@ class SimGpuSource(Source):
         self.driver_reserved_bytes = driver_reserved_bytes
         self._rng = random.Random(seed)
         self._clock = clock
-        self._start = clock()  # type: ignore[operator]
+        self._start = clock()
         self._walk = [0.0] * count
 
     def poll(self) -> GpuContribution:
-        t = self._clock() - self._start  # type: ignore[operator]
+        t = self._clock() - self._start
         gpus = []
         for index in range(self.count):
             processes = []

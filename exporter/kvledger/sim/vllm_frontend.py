@@ -93,9 +93,9 @@ class VllmFrontend:
         engine.ledger.add_cache_listener(self._on_cache)
         engine.step_listeners.append(self.flush)
 
-        self._ctx: zmq.Context | None = None
-        self._pub: zmq.Socket | None = None
-        self._router: zmq.Socket | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._pub: zmq.Socket[bytes] | None = None
+        self._router: zmq.Socket[bytes] | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._http: Any = None
@@ -121,11 +121,11 @@ class VllmFrontend:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.bind("tcp://127.0.0.1:*")
-        self.kv_events = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.kv_events = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.bind("tcp://127.0.0.1:*")
-        self.kv_events_replay = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.kv_events_replay = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._http, _ = start_http_server(0, addr="127.0.0.1", registry=self.registry)
         self.port = self._http.server_port
         self.metrics_url = f"http://127.0.0.1:{self.port}/metrics"
@@ -197,14 +197,14 @@ class VllmFrontend:
                     "kv_cache_spec_kind": "full_attention",
                 })
         elif event == "evicted":
-            h = self._hash_of.pop(block, None)
-            if h is None:  # cached before this frontend listened: nothing was published for it
+            removed = self._hash_of.pop(block, None)
+            if removed is None:  # cached before this frontend listened: nothing was published for it
                 return
             last = self._pending[-1] if self._pending else None
             if last is not None and last["type"] == "BlockRemoved":
-                last["block_hashes"].append(h)
+                last["block_hashes"].append(removed)
             else:
-                self._pending.append({"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU", "group_idx": 0})
+                self._pending.append({"type": "BlockRemoved", "block_hashes": [removed], "medium": "GPU", "group_idx": 0})
 
     def _token_ids(self, h: int) -> list[int]:
         """Synthetic token ids of a block (the simulator has no tokens; the hash stands for them)."""
@@ -248,7 +248,7 @@ class VllmFrontend:
             pub.close(linger=0)
             router.close(linger=0)
 
-    def _send_outbox(self, pub: zmq.Socket) -> None:
+    def _send_outbox(self, pub: zmq.Socket[bytes]) -> None:
         while True:
             try:
                 seq, payload = self._outbox.get_nowait()
@@ -256,7 +256,7 @@ class VllmFrontend:
                 return
             pub.send_multipart([TOPIC, seq.to_bytes(8, "big"), payload])
 
-    def _answer_replays(self, router: zmq.Socket) -> None:
+    def _answer_replays(self, router: zmq.Socket[bytes]) -> None:
         while True:
             try:
                 frames = router.recv_multipart(zmq.NOBLOCK)

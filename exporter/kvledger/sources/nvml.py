@@ -241,7 +241,10 @@ class NvmlSource(Source):
         slots = self._optional(pynvml.nvmlDeviceGetMaxMigDeviceCount, handle) or 0
         out = []
         for slot in range(slots):
-            mig = self._optional(lambda h, s=slot: pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, s), handle)
+            def mig_handle(h: Any, s: int = slot) -> Any:
+                return pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, s)
+
+            mig = self._optional(mig_handle, handle)
             if mig is not None:  # NOT_FOUND: an empty slot
                 out.append(mig)
         return out
@@ -287,8 +290,8 @@ class NvmlSource(Source):
                     by_pid[key[0]] = None
                 elif key[0] not in by_pid:
                     by_pid[key[0]] = int(used)
-                elif by_pid[key[0]] is not None:
-                    by_pid[key[0]] = by_pid[key[0]] + int(used)  # type: ignore[operator]
+                elif (so_far := by_pid[key[0]]) is not None:
+                    by_pid[key[0]] = so_far + int(used)
         return [GpuProcess(pid=pid, used_bytes=used) for pid, used in by_pid.items()]
 
     def _warn_once(self, key: str, msg: str, *args: object) -> None:

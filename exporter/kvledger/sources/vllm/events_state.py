@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 from kvledger.sources.vllm.events_wire import GPU_MEDIA, KNOWN_TYPES, EventBatch, EventDecodeError, decode_batch
@@ -47,7 +47,7 @@ class ReplayError(RuntimeError):
 
 @dataclass(slots=True)
 class _RankState:
-    blocks: Counter = field(default_factory=Counter)
+    blocks: Counter[tuple[int, Hashable]] = field(default_factory=Counter)  # (group, block hash) -> times stored
     last: int | None = None  # last applied seq; -1 = fresh (nothing published yet); None = never seen
     trusted: bool = False
     reason: str | None = "no event received yet"
@@ -74,7 +74,7 @@ class KvEventState:
     def __init__(self, replay: ReplayFn | None = None) -> None:
         self._replay = replay
         self._ranks: dict[int, _RankState] = {}
-        self._types: Counter = Counter()
+        self._types: Counter[str] = Counter()
         self.lost = 0
         self.restarts = 0
         self.decode_errors = 0

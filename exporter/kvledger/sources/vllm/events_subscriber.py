@@ -63,8 +63,8 @@ class KvEventSubscriber:
         self._wanted: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._resync: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._ranks: set[int] = set()
-        self._dealers: dict[int, zmq.Socket] = {}
-        self._sub: zmq.Socket | None = None
+        self._dealers: dict[int, zmq.Socket[bytes]] = {}
+        self._sub: zmq.Socket[bytes] | None = None
         self._error: str | None = None
         self._thread = threading.Thread(target=self._run, name=f"kv-events {endpoint}", daemon=True)
 
@@ -180,7 +180,7 @@ class KvEventSubscriber:
             return
         self.ledger.receive(seq, payload)
 
-    def _dealer(self, rank: int) -> zmq.Socket:
+    def _dealer(self, rank: int) -> zmq.Socket[bytes]:
         sock = self._dealers.get(rank)
         if sock is None:
             assert self.replay_endpoint is not None
