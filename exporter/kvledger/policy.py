@@ -1,4 +1,4 @@
-"""The single accounting policy: every formula of DESIGN §2, once, as pure functions.
+"""The single accounting policy: every formula of docs/design.md §2, once, as pure functions.
 
 ``compute_accounts(snapshot)`` turns the facts of a Snapshot into Accounts. Each
 quantity is exact, a hard bound (``Measure`` carries ``lower``/``upper``), or absent.
@@ -500,7 +500,7 @@ ENGINE_REPORTED_CHECK = "engine_reported_used_in_range"
 
 
 def invariant_violations(pool: PoolFacts, phys: Physical) -> list[str]:
-    """Names of the checks this pool's facts violate (DESIGN §2 invariants), with the
+    """Names of the checks this pool's facts violate (docs/design.md §2 invariants), with the
     checks its source reported violated (``PoolFacts.source_violations``)."""
     bad: list[str] = list(pool.source_violations)
     c = pool.num_blocks

@@ -1,4 +1,4 @@
-"""The kvledger/v1 ledger protocol (DESIGN §7): document -> EngineFacts.
+"""The kvledger/v1 ledger protocol (docs/design.md §7): document -> EngineFacts.
 
 The JSON Schema in ``schema/kvledger-v1.json`` is the published contract; tests
 validate documents against it with ``jsonschema``. Validating a 10,000-request

@@ -1,4 +1,4 @@
-"""The embeddable reference ledger for custom engines (DESIGN §2, §7).
+"""The embeddable reference ledger for custom engines (docs/design.md §2 and §7).
 
 An engine calls the ledger as its scheduler and block manager act; a server thread
 renders ``to_document()`` (kvledger/v1) for the exporter. Every block operation is
