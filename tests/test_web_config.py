@@ -207,3 +207,13 @@ def test_config_key_and_flag(tmp_path: Path) -> None:
     assert args.web_config_file == "/etc/web.yml"
     args = build_parser().parse_args(["demo", "--web.config.file", "w.yml"])
     assert args.web_config_file == "w.yml"
+
+
+def test_web_config_file_is_read_like_the_configuration(tmp_path: Path) -> None:
+    """The same reader as kvledger.yml: non-UTF-8 text and a key given twice are named."""
+    (tmp_path / "latin1.yml").write_bytes(b"basic_auth_users:\n  caf\xe9: x\n")
+    with pytest.raises(ConfigError, match=r"latin1.yml: not UTF-8 text: .* at byte offset 23"):
+        load_web_config(tmp_path / "latin1.yml")
+    (tmp_path / "twice.yml").write_text("http_server_config: {}\nhttp_server_config: {}\n")
+    with pytest.raises(ConfigError, match=r"twice.yml: invalid YAML at line 2.*duplicate key"):
+        load_web_config(tmp_path / "twice.yml")

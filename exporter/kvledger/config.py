@@ -569,7 +569,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def load_config(path: str | Path) -> Config:
+def read_yaml(path: str | Path) -> object:
+    """A YAML file's data, read as kvledger reads every file it is given: UTF-8 checked,
+    duplicate keys rejected, deep nesting refused; ConfigError names the file and where."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -580,7 +582,7 @@ def load_config(path: str | Path) -> Config:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text: {exc.reason} at byte offset {exc.start}") from None
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: safe
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: safe
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -589,4 +591,7 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(f"{path}: invalid YAML: nested too deeply") from None
     except ValueError as exc:  # an implicit timestamp that is no date (2001-02-30)
         raise ConfigError(f"{path}: invalid YAML: {exc}") from None
-    return config_from_mapping(data, str(path))
+
+
+def load_config(path: str | Path) -> Config:
+    return config_from_mapping(read_yaml(path), str(path))

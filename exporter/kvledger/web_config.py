@@ -18,9 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from kvledger.config import ConfigError, _Reader
+from kvledger.config import _Reader, read_yaml
 
 TLS_VERSIONS: dict[str, ssl.TLSVersion] = {
     "TLS10": ssl.TLSVersion.TLSv1,
@@ -269,14 +267,4 @@ def web_config_from_mapping(data: object, file: str = "<web config>", base: Path
 
 def load_web_config(path: str | Path) -> WebConfig:
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
-    return web_config_from_mapping(data, str(path), path.resolve().parent)
+    return web_config_from_mapping(read_yaml(path), str(path), path.resolve().parent)
