@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvledger.config import _Reader, read_yaml
+from kvledger.config import _bool, _Reader, read_yaml
 
 TLS_VERSIONS: dict[str, ssl.TLSVersion] = {
     "TLS10": ssl.TLSVersion.TLSv1,
@@ -118,12 +118,6 @@ class WebConfig:
     @property
     def basic_auth(self) -> bool:
         return bool(self.basic_auth_users)
-
-
-def _bool(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"expected true or false, got {value!r}")
-    return value
 
 
 def _str(value: Any) -> str:
