@@ -105,6 +105,9 @@ def test_poisoned_engine_fails_alone(poison: str) -> None:
     s = samples(render_text(acc))
     assert s[("kvledger_kv_blocks", (("engine", "good"), ("pool", "0"), ("state", "in_use")))] == 5
     assert s[("kvledger_source_errors_total", (("engine", "bad"), ("reason", "invalid"), ("source", "ledger")))] == 2
+    # an invalid poll is no success: the poisoned source never shows a last success
+    assert ("kvledger_source_last_success_timestamp_seconds", (("engine", "bad"), ("source", "ledger"))) not in s
+    assert s[("kvledger_source_last_success_timestamp_seconds", (("engine", "good"), ("source", "ledger")))] > 0
     c.stop()
 
 

@@ -49,6 +49,7 @@ class _Runner:
     timed_out: bool = False
     generation: int = 0  # successful polls so far
     message: str | None = None  # the full text of the latest failure
+    accounted_at: float | None = None  # last_success of the latest poll whose facts were accounted
 
 
 @dataclass
@@ -335,6 +336,9 @@ class Collector:
             gpus = []
             snapshot.driver_version = None
 
+        for r in self._runners:  # a poll counts as a success once its facts were accounted
+            if r.health.up:
+                r.accounted_at = r.health.last_success
         accounts = Accounts(
             engines=engines,
             gpus=gpus,
@@ -407,6 +411,7 @@ class Collector:
             log.warning("engine %s: configured facts cannot be accounted: %s", engine, message)
             return
         self._mark_down(r, "invalid", message)
+        r.health.last_success = r.accounted_at  # an invalid poll is no success
 
     def _count_limited(self, engine: str, counts: dict[tuple[str, str], int]) -> None:
         for (label, action), n in counts.items():
