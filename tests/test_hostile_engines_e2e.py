@@ -40,15 +40,16 @@ def engines() -> Iterator[tuple[LedgerServer, HostileEngine, SimEngine]]:
             x.stop()
 
 
-def config(tmp_path: Path, good: LedgerServer, hostile: HostileEngine, extra: str = "") -> Path:
+def config(tmp_path: Path, good: LedgerServer, hostile: HostileEngine | None, extra: str = "") -> Path:
+    """kvledger.yml for the healthy engine and, unless None, the hostile one."""
+    second = "" if hostile is None else f'  - {{name: hostile, kind: ledger, url: "{hostile.url}", timeout_seconds: 1{extra}}}\n'
     cfg = tmp_path / "kvledger.yml"
     cfg.write_text(f"""
 interval_seconds: 0.25
 nvml: {{enabled: false}}
 engines:
   - {{name: good, kind: ledger, url: "{good.url}", timeout_seconds: 1}}
-  - {{name: hostile, kind: ledger, url: "{hostile.url}", timeout_seconds: 1{extra}}}
-""")
+{second}""")
     return cfg
 
 
@@ -204,13 +205,7 @@ def test_sighup_reloads_the_configuration_and_keeps_it_when_bad(
     tmp_path: Path, engines: tuple[LedgerServer, HostileEngine, SimEngine]
 ) -> None:
     good, hostile, _ = engines
-    cfg = tmp_path / "kvledger.yml"
-    cfg.write_text(f"""
-interval_seconds: 0.25
-nvml: {{enabled: false}}
-engines:
-  - {{name: good, kind: ledger, url: "{good.url}", timeout_seconds: 1}}
-""")
+    cfg = config(tmp_path, good, None)
     with run_serve(tmp_path, cfg) as daemon:
         until(daemon, "good up", lambda s: up(s, "good") == 1 and up(s, "hostile") is None)
         samples, _ = scrape(daemon)
