@@ -469,7 +469,7 @@ def _engine(r: _Reader, names: set[str]) -> EngineConfig:
         options=tuple(
             (o.name, value)
             for o in KINDS[kind].options
-            if (value := r.get(o.name, _url if o.value == "address" else _str, None)) is not None
+            if (value := r.get(o.name, _OPTION_VALUES[o.value], None)) is not None
         ),
         admission=r.get("admission", _choice(ADMISSIONS), None),
         overflow=r.get("overflow", _choice(OVERFLOWS), None),
@@ -547,6 +547,14 @@ def _bool(value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"expected true or false, got {value!r}")
     return value
+
+
+def _bool_text(value: Any) -> str:
+    return "true" if _bool(value) else "false"
+
+
+#: how a kind's own key is read, by ``Option.value`` (options are kept as text)
+_OPTION_VALUES: dict[str, Callable[[Any], str]] = {"address": _url, "path": _str, "boolean": _bool_text}
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

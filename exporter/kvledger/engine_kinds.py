@@ -26,10 +26,11 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Option:
     """A configuration key only this kind accepts; the loader checks it by ``value``:
-    ``address`` (tcp://, ipc://, http(s):// or unix:///absolute/path) or ``path`` (a file)."""
+    ``address`` (tcp://, ipc://, http(s):// or unix:///absolute/path), ``path`` (a file) or
+    ``boolean`` (true or false, kept as the text "true" or "false")."""
 
     name: str
-    value: Literal["address", "path"]
+    value: Literal["address", "path", "boolean"]
     help: str
 
 
@@ -52,7 +53,7 @@ class EngineKind:
 KINDS: dict[str, EngineKind] = {}
 
 #: kinds on the roadmap: named in the error for an unknown kind, never accepted
-PLANNED: tuple[str, ...] = ("sglang", "trtllm", "triton-trtllm", "tgi", "llamacpp")
+PLANNED: tuple[str, ...] = ("sglang", "trtllm", "triton-trtllm", "tgi")
 
 
 def register(kind: EngineKind) -> None:
@@ -88,4 +89,18 @@ register(EngineKind(
     overflow="preempt-recompute",
     docs="docs/engines/vllm.md",
     summary="a stock vLLM: /metrics, optional KV events (ZMQ) and startup log",
+))
+
+register(EngineKind(
+    name="llamacpp",
+    source="kvledger.sources.llamacpp.source:LlamacppSource",
+    options=(
+        Option("slots_url", "address", "GET /slots, when not the server's base URL + /slots"),
+        Option("props_url", "address", "GET /props, when not the server's base URL + /props"),
+        Option("kv_unified", "boolean", "true when the slots share one KV buffer (--kv-unified, or -np unset)"),
+    ),
+    admission="reserve-cap",  # each busy slot holds its whole context (kv_unified: dynamic)
+    overflow="reject",  # a prompt over the slot context is refused; generation stops at it
+    docs="docs/engines/llamacpp.md",
+    summary="a stock llama.cpp server: /slots, /props and /metrics (--metrics)",
 ))

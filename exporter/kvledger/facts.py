@@ -76,6 +76,10 @@ class PoolFacts:
     # Admitted requests known only as a count (when individual requests are unknown):
     # the policy bounds reservations with it.
     running_requests: int | None = None
+    # Blocks the engine itself holds reserved for its admitted requests when individual
+    # requests are unknown: a reserve-cap engine's own reservation (llama.cpp's per-slot
+    # context of its busy slots). Exact; it takes precedence over the running-count bound.
+    reserved_blocks: int | None = None
     # Number of layer groups sharing this pool (hybrid models); token capacity = C // groups * B.
     layer_groups: int = 1
     # Checks the source found violated by this poll's raw values, which it therefore left

@@ -424,6 +424,12 @@ def pool_account(
         else:
             acc.reserved_blocks = Measure(exact=int(cols.claimed[adm].sum()))
             acc.resident_tokens = Measure(exact=computed)
+    elif pool.reserved_blocks is not None:
+        # The engine's own reservation (a reserve-cap engine that reserves per admitted
+        # request, e.g. a slot's whole context): exact under both sharing rules, as the
+        # engine counts it (a reservation below in_use is a violated check, see below).
+        running = pool.running_requests
+        acc.reserved_blocks = Measure(exact=pool.reserved_blocks)
     elif pool.running_requests is not None and L is not None:
         # Only a count of admitted requests: each may reserve at most ceil(L / B)
         # blocks, and never less than what is in use.
@@ -497,6 +503,9 @@ PHYSICAL_CHECKS = frozenset(
 )
 #: the engine's own used-blocks claim lies outside [0, capacity]: not exported
 ENGINE_REPORTED_CHECK = "engine_reported_used_in_range"
+#: the engine's own reservation (PoolFacts.reserved_blocks) is below the blocks in use or
+#: above capacity: the reservation is exported as unknown
+ENGINE_RESERVED_CHECK = "engine_reserved_in_range"
 
 
 def invariant_violations(pool: PoolFacts, phys: Physical) -> list[str]:
@@ -510,6 +519,9 @@ def invariant_violations(pool: PoolFacts, phys: Physical) -> list[str]:
     claim = pool.engine_reported_used_blocks
     if claim is not None and not (math.isfinite(claim) and 0 <= claim <= c):
         bad.append(ENGINE_REPORTED_CHECK)
+    reserved = pool.reserved_blocks
+    if reserved is not None and (reserved > c or (u is not None and reserved < u)):
+        bad.append(ENGINE_RESERVED_CHECK)
     if phys.references is not None and u is not None and phys.references < u:
         bad.append("references_ge_in_use")
     if u is not None and phys.shared is not None and u < phys.shared:
@@ -555,10 +567,14 @@ def _without_impossible(
     """The pool's account with the quantities a violated check makes impossible left
     unknown (None): an impossible physical state yields no in_use/reclaimable/free nor
     anything computed from them; an out-of-range engine claim is not exported."""
-    if not PHYSICAL_CHECKS.isdisjoint(bad):
-        unknown = dataclasses.replace(
-            pool, in_use=None, reclaimable=None, free=None, block_refs=None, cached_blocks=None
-        )
+    if not PHYSICAL_CHECKS.isdisjoint(bad) or ENGINE_RESERVED_CHECK in bad:
+        unknown = pool
+        if not PHYSICAL_CHECKS.isdisjoint(bad):
+            unknown = dataclasses.replace(
+                unknown, in_use=None, reclaimable=None, free=None, block_refs=None, cached_blocks=None
+            )
+        if ENGINE_RESERVED_CHECK in bad:
+            unknown = dataclasses.replace(unknown, reserved_blocks=None)
         acc = pool_account(engine, unknown, cols, sharing)
     if ENGINE_REPORTED_CHECK in bad:
         acc.engine_reported_used_blocks = None

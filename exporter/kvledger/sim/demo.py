@@ -5,7 +5,8 @@ simulated GPU source.
 engine is served by ``ledger_server`` on 127.0.0.1 with an ephemeral port (or on Unix
 sockets) and read with ``kind: ledger``; a ``served_as="vllm"`` engine is served by a
 ``VllmFrontend`` (vLLM's /metrics, ZMQ KV events with replay, startup log) and read with
-``kind: vllm``, the way a user with an unmodified vLLM reads it. ``start_demo()`` returns
+``kind: vllm``, the way a user with an unmodified vLLM reads it; a simulated llama.cpp
+server (``SimLlamacpp``: /slots, /props, /metrics) is read with ``kind: llamacpp``. ``start_demo()`` returns
 a ``Demo`` holding the ``EngineConfig`` list that points at them and the ``SimGpuSource``;
 a collector built from those exports live, moving numbers.
 """
@@ -22,6 +23,7 @@ from kvledger.integration.document_server import LedgerServer, serve_http, serve
 from kvledger.integration.reference_ledger import PoolSpec
 from kvledger.sim.engine import GiB, SimEngine, SimProfile
 from kvledger.sim.gpu import SimGpuSource
+from kvledger.sim.llamacpp_server import SimLlamacpp, SimLlamacppProfile
 from kvledger.sim.vllm_frontend import VllmFrontend
 
 MiB = 2**20
@@ -119,8 +121,11 @@ class Demo:
     servers: list[LedgerServer] = field(default_factory=list)
     socket_dir: str | None = None
     frontends: list[VllmFrontend] = field(default_factory=list)
+    llamacpp: list[SimLlamacpp] = field(default_factory=list)
 
     def stop(self) -> None:
+        for llama in self.llamacpp:
+            llama.stop()
         for engine in self.engines:
             engine.stop()
         for server in self.servers:
@@ -183,6 +188,18 @@ def vllm_engine_config(engine: SimEngine, frontend: VllmFrontend) -> EngineConfi
     )
 
 
+def llamacpp_engine_config(server: SimLlamacpp) -> EngineConfig:
+    """The EngineConfig a user would write for a stock llama.cpp server (a CPU build: no GPU)."""
+    return EngineConfig(
+        name=server.profile.name,
+        kind="llamacpp",
+        url=server.url + "/metrics",
+        timeout_seconds=2.0,
+        block_bytes=server.profile.block_bytes,
+        host=HostConfig(port=server.port),
+    )
+
+
 def start_demo(
     *,
     seed: int = 0,
@@ -190,10 +207,12 @@ def start_demo(
     unix_sockets: bool = False,
     step_seconds: float | None = None,
     profiles: list[SimProfile] | None = None,
+    llamacpp: list[SimLlamacppProfile] | None = None,
 ) -> Demo:
     """Start the simulated engines and their ledger servers; ``Demo.stop()`` ends them.
 
     ``faults`` maps an engine name to a fault mode (see kvledger.sim.engine.FAULTS).
+    ``llamacpp``: simulated llama.cpp servers read with ``kind: llamacpp`` (default: one).
     """
     faults = dict(faults or {})
     profiles = demo_profiles() if profiles is None else profiles
@@ -206,6 +225,7 @@ def start_demo(
     servers: list[LedgerServer] = []
     frontends: list[VllmFrontend] = []
     configs: list[EngineConfig] = []
+    llamas: list[SimLlamacpp] = []
     try:
         for i, profile in enumerate(profiles):
             if step_seconds is not None:
@@ -229,7 +249,11 @@ def start_demo(
             servers.append(server)
             engines.append(engine.start())
             configs.append(engine_config(engine, server.url))
+        for i, llama_profile in enumerate([SimLlamacppProfile()] if llamacpp is None else llamacpp):
+            llama = SimLlamacpp(llama_profile, seed=seed + 100 + i).start()
+            llamas.append(llama)
+            configs.append(llamacpp_engine_config(llama))
     except BaseException:
-        Demo(configs, SimGpuSource(engines, seed=seed), engines, servers, socket_dir, frontends).stop()
+        Demo(configs, SimGpuSource(engines, seed=seed), engines, servers, socket_dir, frontends, llamas).stop()
         raise
-    return Demo(configs, SimGpuSource(engines, seed=seed), engines, servers, socket_dir, frontends)
+    return Demo(configs, SimGpuSource(engines, seed=seed), engines, servers, socket_dir, frontends, llamas)

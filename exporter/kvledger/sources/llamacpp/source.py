@@ -1,0 +1,104 @@
+"""The ``kind: llamacpp`` source: GET /props, /slots and /metrics of a llama.cpp server.
+
+``url`` is the server's /metrics (``http://host:8080/metrics``) or its base URL
+(``http://host:8080``); /slots and /props are the base URL's unless ``slots_url`` or
+``props_url`` say otherwise. One poll makes up to three GETs, in this order, all within
+one deadline of ``timeout_seconds`` (each GET gets what is left of it):
+
+1. /props: the version, and whether the server sleeps (then /slots is skipped: reading
+   it would wake the model and restart the server's idle timer);
+2. /slots: required; any failure fails the poll with its reason;
+3. /metrics: optional (``--metrics``). Its failure (off: HTTP 501, garbage, a hang) never
+   fails the poll: the facts go without its counters and the ``metrics`` sub-source
+   reports down with the reason.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from kvledger.block_bytes import ModelConfigError, load_model_config
+from kvledger.config import EngineConfig
+from kvledger.sources.base import EngineContribution, Source, SourceError, SubsourceReport
+from kvledger.sources.http_client import HttpClient
+from kvledger.sources.llamacpp.documents import parse_props, parse_slots
+from kvledger.sources.llamacpp.mapping import llamacpp_facts
+from kvledger.sources.llamacpp.metrics import ServerMetrics, parse_metrics
+
+#: the share of timeout_seconds the GETs may use; the rest is left for parsing, so that the
+#: collector never sees the poll itself run past its timeout
+_GET_SHARE = 0.9
+
+
+def endpoints(url: str) -> tuple[str, str]:
+    """(base URL, /metrics URL) of ``url``: a /metrics URL or the server's base URL."""
+    parts = urlsplit(url)
+    path = parts.path.rstrip("/")
+    if path.endswith("/metrics"):
+        base_path = path[: -len("/metrics")]
+        return urlunsplit(parts._replace(path=base_path, query="", fragment="")), url
+    base = urlunsplit(parts._replace(path=path, query="", fragment=""))
+    return base, urlunsplit(parts._replace(path=path + "/metrics", fragment=""))
+
+
+class LlamacppSource(Source):
+    kind = "llamacpp"
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.engine = cfg.name
+        base, metrics_url = endpoints(cfg.url)
+        common: dict[str, Any] = {"timeout": cfg.timeout_seconds, "max_bytes": cfg.max_response_bytes}
+        self._props = HttpClient(cfg.option("props_url") or base + "/props", accept="application/json", **common)
+        self._slots = HttpClient(cfg.option("slots_url") or base + "/slots", accept="application/json", **common)
+        self._metrics = HttpClient(metrics_url, accept="text/plain;version=0.0.4", **common)
+        self._metrics_error: str | None = "not read yet"
+        self._model_config: dict[str, Any] | None = None
+
+    def _get(self, client: HttpClient, deadline: float) -> bytes:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise SourceError("timeout", f"{client.where}: no time left of the poll's {self.cfg.timeout_seconds:g}s")
+        client.timeout = left
+        return client.get()
+
+    def poll(self) -> EngineContribution:
+        deadline = time.monotonic() + self.cfg.timeout_seconds * _GET_SHARE
+        props = parse_props(self._get(self._props, deadline), self._props.where)
+        slots = None if props.sleeping else parse_slots(self._get(self._slots, deadline), self._slots.where)
+        metrics = self._read_metrics(deadline)
+        return EngineContribution(llamacpp_facts(slots, props, metrics, self.cfg, self._load_model_config()))
+
+    def _read_metrics(self, deadline: float) -> ServerMetrics | None:
+        try:
+            body = self._get(self._metrics, deadline)
+            try:
+                text = body.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise SourceError("parse", f"{self._metrics.where}: body is not UTF-8 (byte {exc.start})") from None
+            metrics = parse_metrics(text)
+        except SourceError as exc:
+            self._metrics_error = f"{exc.reason}: {exc.message}"
+            return None
+        self._metrics_error = None
+        return metrics
+
+    def _load_model_config(self) -> dict[str, Any] | None:
+        if self.cfg.model is None or self.cfg.block_bytes is not None:
+            return None
+        if self._model_config is None:
+            try:
+                self._model_config = load_model_config(self.cfg.model.config)
+            except ModelConfigError as exc:
+                raise SourceError("config", f"engine {self.cfg.name!r}: model.config: {exc}") from None
+        return self._model_config
+
+    def subsource_health(self) -> list[SubsourceReport]:
+        """``metrics``: /metrics read and parsed at the last poll (it is optional)."""
+        return [SubsourceReport("metrics", self._metrics_error is None, self._metrics_error)]
+
+    def close(self) -> None:
+        for client in (self._props, self._slots, self._metrics):
+            client.abort()
