@@ -1,0 +1,197 @@
+"""LlamacppSource against a real local HTTP server serving llama.cpp's captured answers:
+the three GETs, the URL forms, /metrics as an optional part, a sleeping server, faults."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvledger.config import EngineConfig, load_config
+from kvledger.sources.base import EngineContribution, SourceError, SubsourceReport
+from kvledger.sources.llamacpp.source import LlamacppSource, endpoints
+from kvledger.sources.registry import build_sources
+
+FIXTURES = Path(__file__).parent / "fixtures" / "llamacpp"
+CASE = "llamacpp-pre13660"
+BODIES = {
+    "/slots": (FIXTURES / f"{CASE}-slots.json").read_bytes(),
+    "/props": (FIXTURES / f"{CASE}-props.json").read_bytes(),
+    "/metrics": (FIXTURES / f"{CASE}-metrics.txt").read_bytes(),
+}
+NOT_SUPPORTED = b'{"error":{"code":501,"message":"This server does not support metrics endpoint.","type":"not_supported_error"}}'
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    modes: dict[str, str]  # path -> ok | 501 | garbage | hang | sleeping
+    seen: list[str]
+    release: threading.Event
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        type(self).seen.append(path)
+        mode = type(self).modes.get(path, "ok")
+        if mode == "hang":
+            type(self).release.wait(10)
+            return
+        status, body = {
+            "ok": (200, BODIES.get(path.removeprefix("/llama"), b"")),
+            "501": (501, NOT_SUPPORTED),
+            "garbage": (200, b"<html>oops</html>\n"),
+            "sleeping": (200, b'{"total_slots": 4, "build_info": "b11434-x", "is_sleeping": true}'),
+        }[mode]
+        if path.removeprefix("/llama") not in BODIES:
+            status, body = 404, b'{"error":{"code":404}}'
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, type[_Handler]]]:
+    handler = type("H", (_Handler,), {"modes": {}, "seen": [], "release": threading.Event()})
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", handler
+    handler.release.set()
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _cfg(url: str, **kw: object) -> EngineConfig:
+    options = tuple((k, str(kw.pop(k))) for k in ("slots_url", "props_url", "kv_unified") if k in kw)
+    return EngineConfig(name="llama", kind="llamacpp", url=url, options=options, block_bytes=4096, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("url", "base", "metrics"),
+    [
+        ("http://h:8080/metrics", "http://h:8080", "http://h:8080/metrics"),
+        ("http://h:8080", "http://h:8080", "http://h:8080/metrics"),
+        ("http://h:8080/", "http://h:8080", "http://h:8080/metrics"),
+        ("https://u:p@h/llama/metrics", "https://u:p@h/llama", "https://u:p@h/llama/metrics"),
+        ("http://h:8080/llama/", "http://h:8080/llama", "http://h:8080/llama/metrics"),
+    ],
+)
+def test_endpoints_from_the_url(url: str, base: str, metrics: str) -> None:
+    assert endpoints(url) == (base, metrics)
+
+
+@pytest.mark.parametrize("form", ["/metrics", "", "/"])
+def test_poll_reads_props_slots_and_metrics(server, form: str) -> None:
+    base, handler = server
+    src = LlamacppSource(_cfg(base + form))
+    try:
+        contribution = src.poll()
+        assert isinstance(contribution, EngineContribution)
+        facts = contribution.facts
+        assert (src.kind, src.engine, facts.name, facts.kind, facts.version) == ("llamacpp", "llama", "llama", "llamacpp", "b0-unknown")
+        assert facts.pools[0].num_blocks == 8192 and facts.pools[0].reserved_blocks == 4096
+        assert facts.request_counts is not None and facts.request_counts.waiting == 1  # from /metrics
+        assert handler.seen == ["/props", "/slots", "/metrics"]
+        assert src.subsource_health() == [SubsourceReport("metrics", True, None)]
+    finally:
+        src.close()
+
+
+def test_slots_and_props_urls_from_options(server) -> None:
+    base, handler = server
+    src = LlamacppSource(_cfg(base + "/metrics", slots_url=base + "/llama/slots", props_url=base + "/llama/props"))
+    try:
+        src.poll()
+        assert handler.seen == ["/llama/props", "/llama/slots", "/metrics"]
+    finally:
+        src.close()
+
+
+@pytest.mark.parametrize("mode", ["501", "garbage", "hang"])
+def test_metrics_failure_is_a_subsource_down_not_a_failed_poll(server, mode: str) -> None:
+    base, handler = server
+    handler.modes["/metrics"] = mode
+    src = LlamacppSource(_cfg(base, timeout_seconds=1.0))
+    try:
+        start = time.monotonic()
+        facts = src.poll().facts
+        assert time.monotonic() - start < 1.0  # the three GETs share the poll's deadline
+        assert facts.pools[0].num_blocks == 8192
+        assert facts.request_counts is not None and facts.request_counts.waiting is None  # unknown, not zero
+        (report,) = src.subsource_health()
+        assert report.name == "metrics" and not report.up and report.message
+        expected = {"501": "http_status: ", "garbage": "parse: ", "hang": "timeout: "}[mode]
+        assert report.message.startswith(expected), report.message
+    finally:
+        src.close()
+
+
+@pytest.mark.parametrize(
+    ("path", "mode", "reason"),
+    [("/slots", "501", "http_status"), ("/slots", "garbage", "parse"), ("/props", "garbage", "parse"),
+     ("/slots", "hang", "timeout"), ("/props", "hang", "timeout")],
+)
+def test_slots_or_props_failure_fails_the_poll(server, path: str, mode: str, reason: str) -> None:
+    base, handler = server
+    handler.modes[path] = mode
+    src = LlamacppSource(_cfg(base, timeout_seconds=0.5))
+    try:
+        with pytest.raises(SourceError) as err:
+            src.poll()
+        assert err.value.reason == reason
+        assert path in str(err.value)  # the message names the endpoint
+    finally:
+        src.close()
+
+
+def test_a_sleeping_server_is_not_woken(server) -> None:
+    base, handler = server
+    handler.modes["/props"] = "sleeping"
+    src = LlamacppSource(_cfg(base))
+    try:
+        facts = src.poll().facts
+        assert "/slots" not in handler.seen  # GET /slots would reload the model
+        assert facts.pools == [] and facts.version == "b11434-x"
+        assert facts.request_counts is not None and facts.request_counts.running == 0
+    finally:
+        src.close()
+
+
+def test_configuration_accepts_the_kind_and_its_keys(tmp_path: Path) -> None:
+    path = tmp_path / "kvledger.yml"
+    path.write_text("""
+engines:
+  - name: llama
+    kind: llamacpp
+    url: http://127.0.0.1:8080
+    slots_url: http://127.0.0.1:8080/slots
+    kv_unified: true
+    block_bytes: 32KiB
+""")
+    cfg = load_config(path)
+    (engine,) = cfg.engines
+    assert engine.option("kv_unified") == "true" and engine.option("slots_url") == "http://127.0.0.1:8080/slots"
+    sources, _, _ = build_sources(cfg)
+    assert any(isinstance(s, LlamacppSource) for s in sources)
+    for s in sources:
+        s.close()
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [("kv_unified: yes-please", "expected true or false"), ("log_file: /tmp/x.log", "log_file is for kind vllm only")],
+)
+def test_bad_keys_are_refused_by_name(tmp_path: Path, line: str, message: str) -> None:
+    from kvledger.config import ConfigError
+
+    path = tmp_path / "kvledger.yml"
+    path.write_text(f"engines:\n  - name: llama\n    kind: llamacpp\n    url: http://127.0.0.1:8080\n    {line}\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
