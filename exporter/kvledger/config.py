@@ -554,7 +554,12 @@ def _bool_text(value: Any) -> str:
 
 
 #: how a kind's own key is read, by ``Option.value`` (options are kept as text)
-_OPTION_VALUES: dict[str, Callable[[Any], str]] = {"address": _url, "path": _str, "boolean": _bool_text}
+_OPTION_VALUES: dict[str, Callable[[Any], str]] = {
+    "address": _url,
+    "path": _str,
+    "boolean": _bool_text,
+    "tokens": lambda value: str(_tokens(value)),
+}
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -26,11 +26,12 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Option:
     """A configuration key only this kind accepts; the loader checks it by ``value``:
-    ``address`` (tcp://, ipc://, http(s):// or unix:///absolute/path), ``path`` (a file) or
-    ``boolean`` (true or false, kept as the text "true" or "false")."""
+    ``address`` (tcp://, ipc://, http(s):// or unix:///absolute/path), ``path`` (a file),
+    ``boolean`` (true or false, kept as the text "true" or "false") or ``tokens`` (an integer
+    in 1 .. 2**30, kept as its decimal text)."""
 
     name: str
-    value: Literal["address", "path", "boolean"]
+    value: Literal["address", "path", "boolean", "tokens"]
     help: str
 
 
@@ -98,6 +99,7 @@ register(EngineKind(
         Option("slots_url", "address", "GET /slots, when not the server's base URL + /slots"),
         Option("props_url", "address", "GET /props, when not the server's base URL + /props"),
         Option("kv_unified", "boolean", "true when the slots share one KV buffer (--kv-unified, or -np unset)"),
+        Option("kv_size", "tokens", "the KV buffer in tokens, when the slots' n_ctx do not add up to it"),
     ),
     admission="reserve-cap",  # each busy slot holds its whole context (kv_unified: dynamic)
     overflow="reject",  # a prompt over the slot context is refused; generation stops at it

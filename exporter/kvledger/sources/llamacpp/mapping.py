@@ -10,8 +10,10 @@ is one token (``block_size`` 1). Each slot is one KV sequence. Two layouts:
   the busy slots' ``n_ctx`` (``PoolFacts.reserved_blocks``, exact; admission reserve-cap).
 - **unified** (``--kv-unified``, also llama-server's default when ``-np`` is not given;
   configure ``kv_unified: true``): the slots share one buffer and each slot's ``n_ctx`` is
-  that buffer. Capacity is the largest slot ``n_ctx``; reservations are only bounded (by
-  the policy: busy slots x ``n_ctx``); the engine admits dynamically.
+  that buffer, unless capped (the model's training context, ``--kv-unified-per-slot``):
+  then ``kv_size`` gives the buffer. Capacity is the largest slot ``n_ctx`` (or
+  ``kv_size``); reservations are only bounded (by the policy: busy slots x ``n_ctx``);
+  the engine admits dynamically.
 
 Physical state (current builds, ``n_prompt_tokens`` per slot): tokens of busy slots are
 in use (their requests reference them); tokens an idle slot keeps for prompt reuse are
@@ -72,11 +74,25 @@ def _block_bytes(cfg: EngineConfig, model_config: Mapping[str, Any] | None) -> i
         raise SourceError("config", f"engine {cfg.name!r}: model.config: {exc}") from None
 
 
+def _capacity(slots: Sequence[Slot], unified: bool, cfg: EngineConfig) -> int:
+    """The pool in tokens: split, the slots' n_ctx added up; unified, the slots' n_ctx (each
+    may use the whole buffer); ``kv_size`` when configured, never below what the slots show."""
+    shown = max(s.n_ctx for s in slots) if unified else sum(s.n_ctx for s in slots)
+    if shown > MAX_BLOCKS:
+        raise SourceError("schema", f"/slots: the slots' contexts add up to {shown} tokens, more than {MAX_BLOCKS}")
+    configured = cfg.option("kv_size")
+    if configured is None:
+        return shown
+    size = int(configured)
+    if size < shown:
+        what = "a slot's context" if unified else "the slots' contexts added up"
+        raise SourceError("config", f"engine {cfg.name!r}: kv_size {size} is smaller than {what} ({shown} tokens)")
+    return size
+
+
 def _pool(slots: Sequence[Slot], unified: bool, metrics: ServerMetrics | None, block_bytes: int | None,
           cfg: EngineConfig) -> PoolFacts:
-    capacity = max(s.n_ctx for s in slots) if unified else sum(s.n_ctx for s in slots)
-    if capacity > MAX_BLOCKS:
-        raise SourceError("schema", f"/slots: the slots' contexts add up to {capacity} tokens, more than {MAX_BLOCKS}")
+    capacity = _capacity(slots, unified, cfg)
     if block_bytes is not None and not 1 <= block_bytes <= MAX_SAFE_INT // capacity:
         raise SourceError(
             "config", f"engine {cfg.name!r}: {block_bytes} bytes per token over {capacity} tokens is not a capacity in "

@@ -7,11 +7,13 @@ Series read (tools/server/server-task.cpp, ``server_task_result_metrics::to_metr
   reused from a slot's cache);
 - gauges ``llamacpp:requests_processing`` (busy slots) and ``llamacpp:requests_deferred``
   (requests queued for a free slot);
+- counters ``llamacpp:tokens_predicted_total`` and ``llamacpp:n_decode_total``, only to
+  tell that nothing happened since the last read of /slots (``idle_key``);
 - builds before May 2025 only (removed by ggml-org/llama.cpp#13660):
   ``llamacpp:kv_cache_usage_ratio`` (used KV cells / the ``-c`` context) and
   ``llamacpp:kv_cache_tokens``.
 
-Everything else (throughput gauges, timing counters, ``n_decode_total``,
+Everything else (throughput gauges, timing counters,
 ``n_tokens_max``, speculative decoding counters) is ignored. A missing series is unknown,
 never zero. Values must be finite; counters and counts non-negative and at most
 2**53 - 1, counts whole; anything else is ``SourceError("parse")`` naming the series. A
@@ -34,6 +36,8 @@ from kvledger.sources.prom_text import Exposition, parse_exposition
 PREFIX = "llamacpp:"
 PROMPT_TOKENS = PREFIX + "prompt_tokens_total"
 PROMPT_TOKENS_CACHED = PREFIX + "prompt_tokens_cached_total"
+PREDICTED = PREFIX + "tokens_predicted_total"
+DECODES = PREFIX + "n_decode_total"
 PROCESSING = PREFIX + "requests_processing"
 DEFERRED = PREFIX + "requests_deferred"
 KV_USAGE_RATIO = PREFIX + "kv_cache_usage_ratio"  # builds before #13660
@@ -44,10 +48,22 @@ KV_TOKENS = PREFIX + "kv_cache_tokens"  # builds before #13660
 class ServerMetrics:
     prompt_tokens: float | None = None
     prompt_tokens_cached: float | None = None
+    tokens_predicted: float | None = None
+    decodes: float | None = None  # n_decode_total
     processing: int | None = None
     deferred: int | None = None
     kv_usage_ratio: float | None = None  # old builds
     kv_tokens: int | None = None  # old builds
+
+
+def idle_key(m: ServerMetrics) -> tuple[float | None, ...] | None:
+    """What /metrics says of a server with nothing to do: no busy slot, nothing deferred, and
+    the counters that any prompt, decode or generated token moves; None when it is busy or
+    does not say. Two equal keys mean the slots did not change in between (a prompt or a
+    token moves a counter), save for slot actions (erase, restore) that decode nothing."""
+    if m.processing != 0 or m.deferred != 0 or None in (m.prompt_tokens, m.tokens_predicted, m.decodes):
+        return None
+    return (m.prompt_tokens, m.prompt_tokens_cached, m.tokens_predicted, m.decodes)
 
 
 def _one(exp: Exposition, name: str, kind: str) -> float | None:
@@ -85,6 +101,8 @@ def parse_metrics(text: str) -> ServerMetrics:
     return ServerMetrics(
         prompt_tokens=_one(exp, PROMPT_TOKENS, "counter"),
         prompt_tokens_cached=_one(exp, PROMPT_TOKENS_CACHED, "counter"),
+        tokens_predicted=_one(exp, PREDICTED, "counter"),
+        decodes=_one(exp, DECODES, "counter"),
         processing=_count(exp, PROCESSING),
         deferred=_count(exp, DEFERRED),
         kv_usage_ratio=_one(exp, KV_USAGE_RATIO, "ratio"),

@@ -1,16 +1,20 @@
-"""The ``kind: llamacpp`` source: GET /props, /slots and /metrics of a llama.cpp server.
+"""The ``kind: llamacpp`` source: GET /props, /metrics and /slots of a llama.cpp server.
 
 ``url`` is the server's /metrics (``http://host:8080/metrics``) or its base URL
 (``http://host:8080``); /slots and /props are the base URL's unless ``slots_url`` or
 ``props_url`` say otherwise. One poll makes up to three GETs, in this order, all within
 one deadline of ``timeout_seconds`` (each GET gets what is left of it):
 
-1. /props: the version, and whether the server sleeps (then /slots is skipped: reading
-   it would wake the model and restart the server's idle timer);
-2. /slots: required; any failure fails the poll with its reason;
-3. /metrics: optional (``--metrics``). Its failure (off: HTTP 501, garbage, a hang) never
-   fails the poll: the facts go without its counters and the ``metrics`` sub-source
-   reports down with the reason.
+1. /props: the version, and whether the server sleeps (``--sleep-idle-seconds``): then
+   /slots is not read, since reading it reloads the model;
+2. /metrics: optional (``--metrics``), given at most half of what is left. Its failure
+   (off: HTTP 501, garbage, a hang) never fails the poll: the facts go without its figures and the ``metrics`` sub-source reports
+   down with the reason;
+3. /slots: required; any failure fails the poll with its reason. Skipped when /metrics
+   shows a server with nothing to do whose counters have not moved since the last /slots
+   answer, which had no busy slot either (``metrics.idle_key``): the slots are then those
+   of that answer. Every GET of /slots restarts the server's idle timer (a /metrics read
+   does not), so reading it at every poll would keep a server from ever falling asleep.
 """
 
 from __future__ import annotations
@@ -23,13 +27,16 @@ from kvledger.block_bytes import ModelConfigError, load_model_config
 from kvledger.config import EngineConfig
 from kvledger.sources.base import EngineContribution, Source, SourceError, SubsourceReport
 from kvledger.sources.http_client import HttpClient
-from kvledger.sources.llamacpp.documents import parse_props, parse_slots
+from kvledger.sources.llamacpp.documents import Slot, parse_props, parse_slots
 from kvledger.sources.llamacpp.mapping import llamacpp_facts
-from kvledger.sources.llamacpp.metrics import ServerMetrics, parse_metrics
+from kvledger.sources.llamacpp.metrics import ServerMetrics, idle_key, parse_metrics
 
 #: the share of timeout_seconds the GETs may use; the rest is left for parsing, so that the
 #: collector never sees the poll itself run past its timeout
 _GET_SHARE = 0.9
+#: the share of what is left that /metrics (optional) may use: a hang there leaves /slots
+#: (required) the rest
+_METRICS_SHARE = 0.5
 
 
 def endpoints(url: str) -> tuple[str, str]:
@@ -56,24 +63,37 @@ class LlamacppSource(Source):
         self._metrics = HttpClient(metrics_url, accept="text/plain;version=0.0.4", **common)
         self._metrics_error: str | None = "not read yet"
         self._model_config: dict[str, Any] | None = None
+        # the last /slots answer without a busy slot, with the idle key of the /metrics read
+        # just before it
+        self._idle_slots: tuple[tuple[float | None, ...], list[Slot]] | None = None
 
-    def _get(self, client: HttpClient, deadline: float) -> bytes:
+    def _get(self, client: HttpClient, deadline: float, share: float = 1.0) -> bytes:
+        """GET within ``share`` of what is left before ``deadline``."""
         left = deadline - time.monotonic()
         if left <= 0:
             raise SourceError("timeout", f"{client.where}: no time left of the poll's {self.cfg.timeout_seconds:g}s")
-        client.timeout = left
+        client.timeout = left * share
         return client.get()
 
     def poll(self) -> EngineContribution:
         deadline = time.monotonic() + self.cfg.timeout_seconds * _GET_SHARE
         props = parse_props(self._get(self._props, deadline), self._props.where)
-        slots = None if props.sleeping else parse_slots(self._get(self._slots, deadline), self._slots.where)
         metrics = self._read_metrics(deadline)
+        slots = None if props.sleeping else self._read_slots(deadline, metrics)
         return EngineContribution(llamacpp_facts(slots, props, metrics, self.cfg, self._load_model_config()))
+
+    def _read_slots(self, deadline: float, metrics: ServerMetrics | None) -> list[Slot]:
+        key = None if metrics is None else idle_key(metrics)
+        if key is not None and self._idle_slots is not None and self._idle_slots[0] == key:
+            return self._idle_slots[1]  # nothing happened since that answer
+        slots = parse_slots(self._get(self._slots, deadline), self._slots.where)
+        idle = key is not None and not any(s.processing for s in slots)
+        self._idle_slots = (key, slots) if key is not None and idle else None
+        return slots
 
     def _read_metrics(self, deadline: float) -> ServerMetrics | None:
         try:
-            body = self._get(self._metrics, deadline)
+            body = self._get(self._metrics, deadline, _METRICS_SHARE)
             try:
                 text = body.decode("utf-8")
             except UnicodeDecodeError as exc:
