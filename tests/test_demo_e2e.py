@@ -73,7 +73,8 @@ def test_invariants_hold_in_prometheus(demo_and_prometheus: tuple[Daemon, Promet
         f"(sum by (engine, pool) (kvledger_kv_blocks) and on (engine, pool) {exact}) "
         "!= on (engine, pool) kvledger_kv_capacity_blocks")
     assert partition == []
-    assert len(prom.query(f"sum by (engine, pool) (kvledger_kv_blocks) and on (engine, pool) {exact}")) == 3
+    exact_engines = {r["metric"]["engine"] for r in prom.query(f"sum by (engine, pool) (kvledger_kv_blocks) and on (engine, pool) {exact}")}
+    assert exact_engines >= {"sim-vllm", "sim-tgi", "sim-swa", "sim-llamacpp"}
     # references >= in_use >= shared
     assert prom.query('kvledger_kv_block_references < on (engine, pool) kvledger_kv_blocks{state="in_use"}') == []
     assert prom.query('kvledger_kv_blocks{state="in_use"} < on (engine, pool) kvledger_kv_shared_blocks') == []
@@ -107,6 +108,19 @@ def test_stock_vllm_is_read_with_bounds_and_kv_events(demo_and_prometheus: tuple
     assert prom.query(f'kvledger_kv_events_total{{{sel},type="BlockStored"}} > 0')
     assert prom.query(f"kvledger_kv_events_lost_total{{{sel}}} == 0")
     assert prom.query(f'kvledger_source_up{{{sel}}} == 1') and not prom.query(f'kvledger_source_up{{{sel}}} == 0')
+
+
+def test_llamacpp_is_read_through_its_slots(demo_and_prometheus: tuple[Daemon, PrometheusServer]) -> None:
+    """The demo's llama.cpp (kind: llamacpp, /slots, /props, /metrics): one-token blocks,
+    the physical split exact, the reservation whole slots of 2,048 tokens."""
+    _, prom = demo_and_prometheus
+    sel = 'engine="sim-llamacpp"'
+    assert prom.query(f"kvledger_kv_block_size_tokens{{{sel}}} == 1")
+    assert {r["metric"]["basis"] for r in prom.query(f"kvledger_kv_reserved_blocks{{{sel}}}")} == {"exact"}
+    assert prom.query(f"kvledger_kv_reserved_blocks{{{sel}}} % 2048 != 0") == []
+    assert prom.query(f"max_over_time(kvledger_requests{{{sel},state=\"running\"}}[10s]) > 0")
+    info = prom.query(f"kvledger_policy_info{{{sel}}}")[0]["metric"]
+    assert (info["admission"], info["overflow"]) == ("reserve-cap", "reject")
 
 
 def test_policy_is_declared_on_every_engine(demo_and_prometheus: tuple[Daemon, PrometheusServer]) -> None:

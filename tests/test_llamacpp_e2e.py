@@ -37,7 +37,7 @@ def capacity(case: str) -> int:
 @pytest.fixture(scope="module")
 def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SimLlamacpp, FakeLlamacpp, Daemon, PrometheusServer]]:
     work = tmp_path_factory.mktemp("llamacpp-e2e")
-    sim = SimLlamacpp(SimLlamacppProfile(name="llama-sim", step_seconds=0.01, arrival_rate=2.0), seed=7).start()
+    sim = SimLlamacpp(SimLlamacppProfile(name="llama-sim", step_seconds=0.01, arrival_rate=1.5, unlimited_prob=0.0), seed=7).start()
     fake = FakeLlamacpp(bodies(BUSY))
     cfg = work / "kvledger.yml"
     cfg.write_text(f"""
@@ -86,7 +86,7 @@ def test_fake_server_follows_its_captures_with_bases(running) -> None:
     assert value(prom, f'kvledger_kv_capacity_bytes{{{sel}}}') == capacity(BUSY) * 256
     info = prom.query('kvledger_policy_info{engine="llama-fake"}')[0]["metric"]
     assert (info["admission"], info["overflow"]) == ("reserve-cap", "reject")
-    assert prom.query('kvledger_engine_info{engine="llama-fake",kind="llamacpp",version="b11434-unknown"}')
+    assert prom.query('kvledger_engine_info{engine="llama-fake",kind="llamacpp",version="b11434-b11434"}')
 
     # the server changes: an older build (the KV gauges, no token counts per slot)
     fake.bodies = bodies(OLD)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +33,12 @@ KIB = 1024
 
 
 def _cfg(**kw: Any) -> EngineConfig:
-    unified = kw.pop("kv_unified", None)
-    base: dict[str, Any] = dict(name="llama", kind="llamacpp", url="http://127.0.0.1:8080/metrics")
-    if unified is not None:
-        base["options"] = (("kv_unified", "true" if unified else "false"),)
+    options: list[tuple[str, str]] = []
+    if (unified := kw.pop("kv_unified", None)) is not None:
+        options.append(("kv_unified", "true" if unified else "false"))
+    if (size := kw.pop("kv_size", None)) is not None:
+        options.append(("kv_size", str(size)))
+    base: dict[str, Any] = dict(name="llama", kind="llamacpp", url="http://127.0.0.1:8080/metrics", options=tuple(options))
     base.update(kw)
     return EngineConfig(**base)
 
@@ -46,7 +49,8 @@ CASES = {
     "llamacpp-pre13660": _cfg(block_bytes=32 * KIB),
     "llamacpp-b11434-split-idle": _cfg(block_bytes=TINY_BYTES_PER_TOKEN),
     "llamacpp-b11434-split-busy": _cfg(block_bytes=TINY_BYTES_PER_TOKEN),
-    "llamacpp-b11434-unified-busy": _cfg(block_bytes=TINY_BYTES_PER_TOKEN, kv_unified=True),
+    # -c 8192 --kv-unified: the slots show 4096 (the model's training context), not the buffer
+    "llamacpp-b11434-unified-busy": _cfg(block_bytes=TINY_BYTES_PER_TOKEN, kv_unified=True, kv_size=8192),
 }
 
 
@@ -74,6 +78,65 @@ def test_golden(name: str) -> None:
 
 def _accounts(facts, cfg: EngineConfig):  # type: ignore[no-untyped-def]
     return compute_accounts(Snapshot(engines=[merge(facts, configured_facts(cfg))])).engines[0]
+
+
+# ---------------------------------------------------------------- the real b11434 captures
+
+
+def _slots(name: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = json.loads((FIXTURES / f"{name}-slots.json").read_text())
+    return out
+
+
+def test_b11434_split_busy_by_hand() -> None:
+    """Summed here from the capture: busy slots' n_prompt_tokens in use, idle ones reclaimable."""
+    name = "llamacpp-b11434-split-busy"
+    slots = _slots(name)
+    busy = [s for s in slots if s["is_processing"]]
+    facts = facts_of(name)
+    (pool,) = facts.pools
+    assert (pool.block_size, pool.num_blocks, pool.block_bytes) == (1, 4 * 2048, TINY_BYTES_PER_TOKEN)
+    assert pool.in_use == sum(s["n_prompt_tokens"] for s in busy) and pool.in_use > 0
+    assert pool.reclaimable == sum(s.get("n_prompt_tokens", 0) for s in slots if not s["is_processing"])
+    assert pool.reserved_blocks == 2048 * len(busy) and pool.running_requests == len(busy)
+    assert pool.engine_reported_used_blocks is None  # no KV gauge in b11434
+    metrics = (FIXTURES / f"{name}-metrics.txt").read_text()
+    assert f"llamacpp:requests_processing {len(busy)}\n" in metrics  # the engine's own count, same moment
+    hits = float(re.search(r"^llamacpp:prompt_tokens_cached_total (\S+)$", metrics, re.M)[1])  # type: ignore[index]
+    evaluated = float(re.search(r"^llamacpp:prompt_tokens_total (\S+)$", metrics, re.M)[1])  # type: ignore[index]
+    assert facts.counters == {"prefix_cache_hit_tokens": hits, "prefix_cache_queried_tokens": hits + evaluated}
+    assert facts.version == "b11434-b11434"
+    acc = _accounts(facts, CASES[name])
+    (p,) = acc.pools
+    assert p.physical.free is not None and p.physical.free.exact == 8192 - pool.in_use - pool.reclaimable
+    assert p.admission_headroom_requests is not None and p.admission_headroom_requests.exact == 4 - len(busy)
+    assert acc.invariant_violations == []
+
+
+def test_b11434_split_idle_by_hand() -> None:
+    name = "llamacpp-b11434-split-idle"
+    slots = _slots(name)
+    (pool,) = facts_of(name).pools
+    assert not any(s["is_processing"] for s in slots)
+    assert (pool.in_use, pool.reserved_blocks, pool.running_requests) == (0, 0, 0)
+    # idle slots keep prompt + generated tokens for reuse: all reclaimable
+    assert pool.reclaimable == sum(s.get("n_prompt_tokens", 0) for s in slots) > 0
+
+
+def test_b11434_unified_busy_by_hand() -> None:
+    name = "llamacpp-b11434-unified-busy"
+    slots = _slots(name)
+    facts = facts_of(name)
+    (pool,) = facts.pools
+    assert {s["n_ctx"] for s in slots} == {4096} and pool.num_blocks == 8192  # kv_size, not the slots
+    assert pool.in_use == sum(s.get("n_prompt_tokens", 0) for s in slots if s["is_processing"]) > 0
+    assert pool.reserved_blocks is None and facts.admission == "dynamic"
+    acc = _accounts(facts, CASES[name])
+    reserved = acc.pools[0].reserved_blocks
+    assert reserved is not None and reserved.exact is None
+    assert reserved.upper == max(4096 * sum(s["is_processing"] for s in slots), pool.in_use)
+    # without kv_size the capacity would be a slot's 4096
+    assert facts_of(name, _cfg(block_bytes=TINY_BYTES_PER_TOKEN, kv_unified=True)).pools[0].num_blocks == 4096
 
 
 # ---------------------------------------------------------------- the builds with the KV gauges

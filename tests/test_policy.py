@@ -318,3 +318,32 @@ def test_engine_claim_outside_capacity_is_counted_and_not_exported(claim: float)
 def test_source_reported_violations_are_counted() -> None:
     pool = PoolFacts(id="0", block_size=16, num_blocks=10, source_violations=("kv_cache_usage_in_range",))
     assert engine_account(engine(pool, None), "per-request").invariant_violations == ["kv_cache_usage_in_range"]
+
+
+# ---------------------------------------------------------------- the engine's own reservation
+
+
+@pytest.mark.parametrize("sharing", ["per-request", "reference-aware"])
+def test_engine_reservation_is_exact_and_wins_over_the_running_bound(sharing: str) -> None:
+    """PoolFacts.reserved_blocks (a reserve-cap engine's own figure, e.g. llama.cpp's busy
+    slots x their context): exact under both rules, before the running x ceil(L/B) bound."""
+    pool = PoolFacts(id="0", block_size=1, num_blocks=8192, block_bytes=256, in_use=700, reclaimable=300,
+                     running_requests=3, reserved_blocks=3 * 2048)
+    acc = engine_account(engine(pool, None, budgets=Budgets(max_model_len=2048, max_num_seqs=4)), sharing)
+    (p,) = acc.pools
+    assert p.reserved_blocks == Measure(exact=6144)
+    assert p.quota_headroom_blocks == Measure(exact=8192 - 6144)
+    # min(floor((8192 - 6144) / 2048), 4 - 3) = 1 idle slot
+    assert p.admission_headroom_requests == Measure(exact=1)
+    assert acc.invariant_violations == []
+
+
+@pytest.mark.parametrize("reserved", [699, 8193])
+def test_engine_reservation_below_in_use_or_above_capacity_is_counted_and_dropped(reserved: int) -> None:
+    pool = PoolFacts(id="0", block_size=1, num_blocks=8192, in_use=700, reclaimable=0, running_requests=1,
+                     reserved_blocks=reserved)
+    acc = engine_account(engine(pool, None, budgets=Budgets(max_model_len=2048)), "per-request")
+    assert acc.invariant_violations == ["engine_reserved_in_range"]
+    # what the running count bounds remains: max(1 x 2048, in_use)
+    assert acc.pools[0].reserved_blocks == Measure(upper=2048)
+    assert acc.pools[0].physical.in_use == Measure(exact=700)

@@ -51,7 +51,7 @@ class SimLlamacppProfile:
     system_prompt_prob: float = 0.75
     user_tokens: tuple[int, int] = (40, 600)
     n_predict: tuple[int, int] = (16, 200)
-    unlimited_prob: float = 0.1  # requests without n_predict: they stop at the context
+    unlimited_prob: float = 0.03  # requests without n_predict: they stop at the context
     block_bytes: int = 32 * 1024  # bytes per token: a 1B Llama, 16 layers x 8 KV heads x 64 x 2 x f16
     build_info: str = "b11434-sim"
 
