@@ -11,16 +11,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvledger.config import EngineConfig
-from kvledger.facts import Snapshot
+from kvledger.facts import EngineFacts, Snapshot
 from kvledger.facts_merge import configured_facts, merge
-from kvledger.policy import ENGINE_RESERVED_CHECK, compute_accounts
+from kvledger.policy import ENGINE_RESERVED_CHECK, EngineAccount, compute_accounts
 from kvledger.sources.base import SourceError
 from kvledger.sources.llamacpp.documents import parse_props, parse_slots
 from kvledger.sources.llamacpp.mapping import TOKENS_CHECK, USAGE_CHECK, llamacpp_facts
@@ -60,7 +59,7 @@ def read_case(name: str) -> tuple[bytes, bytes, str | None]:
             metrics.read_text() if metrics.exists() else None)
 
 
-def facts_of(name: str, cfg: EngineConfig | None = None):  # type: ignore[no-untyped-def]
+def facts_of(name: str, cfg: EngineConfig | None = None) -> EngineFacts:
     slots, props, metrics = read_case(name)
     return llamacpp_facts(parse_slots(slots), parse_props(props), None if metrics is None else parse_metrics(metrics),
                           cfg or CASES[name])
@@ -76,7 +75,7 @@ def test_golden(name: str) -> None:
     assert got == json.loads(path.read_text())
 
 
-def _accounts(facts, cfg: EngineConfig):  # type: ignore[no-untyped-def]
+def _accounts(facts: EngineFacts, cfg: EngineConfig) -> EngineAccount:
     return compute_accounts(Snapshot(engines=[merge(facts, configured_facts(cfg))])).engines[0]
 
 
@@ -102,8 +101,8 @@ def test_b11434_split_busy_by_hand() -> None:
     assert pool.engine_reported_used_blocks is None  # no KV gauge in b11434
     metrics = (FIXTURES / f"{name}-metrics.txt").read_text()
     assert f"llamacpp:requests_processing {len(busy)}\n" in metrics  # the engine's own count, same moment
-    hits = float(re.search(r"^llamacpp:prompt_tokens_cached_total (\S+)$", metrics, re.M)[1])  # type: ignore[index]
-    evaluated = float(re.search(r"^llamacpp:prompt_tokens_total (\S+)$", metrics, re.M)[1])  # type: ignore[index]
+    values = dict(line.split(" ", 1) for line in metrics.splitlines() if line.startswith("llamacpp:"))
+    hits, evaluated = float(values["llamacpp:prompt_tokens_cached_total"]), float(values["llamacpp:prompt_tokens_total"])
     assert facts.counters == {"prefix_cache_hit_tokens": hits, "prefix_cache_queried_tokens": hits + evaluated}
     assert facts.version == "b11434-b11434"
     acc = _accounts(facts, CASES[name])
@@ -268,7 +267,7 @@ def _slot(i: int, n_ctx: int, busy: bool, tokens: int | None, task: int | None =
 
 
 def _facts(slots: list[dict[str, Any]], cfg: EngineConfig | None = None, props: dict[str, Any] | None = None,
-           metrics: str | None = None):  # type: ignore[no-untyped-def]
+           metrics: str | None = None) -> EngineFacts:
     return llamacpp_facts(parse_slots(json.dumps(slots)), parse_props(json.dumps(props or {})),
                           None if metrics is None else parse_metrics(metrics), cfg or _cfg(block_bytes=128))
 

@@ -68,9 +68,9 @@ def server() -> Iterator[tuple[str, type[_Handler]]]:
     httpd.server_close()
 
 
-def _cfg(url: str, **kw: object) -> EngineConfig:
-    options = tuple((k, str(kw.pop(k))) for k in ("slots_url", "props_url", "kv_unified", "kv_size") if k in kw)
-    return EngineConfig(name="llama", kind="llamacpp", url=url, options=options, block_bytes=4096, **kw)  # type: ignore[arg-type]
+def _cfg(url: str, timeout_seconds: float = 2.0, **options: object) -> EngineConfig:
+    return EngineConfig(name="llama", kind="llamacpp", url=url, timeout_seconds=timeout_seconds, block_bytes=4096,
+                        options=tuple((k, str(v)) for k, v in options.items()))
 
 
 @pytest.mark.parametrize(
