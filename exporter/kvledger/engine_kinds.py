@@ -83,9 +83,10 @@ register(EngineKind(
         Option("kv_events", "address", "the ZMQ publisher of KV events (--kv-events-config endpoint)"),
         Option("kv_events_replay", "address", "the ZMQ replay endpoint (replay_endpoint)"),
         Option("log_file", "path", "the server's log, for the startup memory profile"),
+        Option("ledger", "address", "the in-engine integration's kvledger/v1 address (KVLEDGER_VLLM_LEDGER; {dp_rank} per rank)"),
     ),
     admission="dynamic",  # vLLM admits against free blocks, not a reservation
     overflow="preempt-recompute",
     docs="docs/engines/vllm.md",
-    summary="a stock vLLM: /metrics, optional KV events (ZMQ) and startup log",
+    summary="vLLM: /metrics, optional KV events (ZMQ), startup log and in-engine ledger (exact)",
 ))

@@ -263,6 +263,7 @@ class VllmServer:
         log_path: str | os.PathLike[str] | None = None,
         startup_timeout: float = 120.0,
         host: str = "127.0.0.1",
+        ledger: bool = True,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.port = port
@@ -272,6 +273,9 @@ class VllmServer:
         self.startup_timeout = startup_timeout
         self.host = host
         self._work_dir = Path(tempfile.mkdtemp(prefix="kvledger-vllm-"))
+        # the in-engine ledger (kvledger's vLLM plugin): on unless a test turns it off
+        self.ledger = ledger
+        self.ledger_socket = self._work_dir / "ledger.sock"
         self.log_path = Path(log_path) if log_path else self._work_dir / "vllm.log"
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: object | None = None
@@ -340,7 +344,14 @@ class VllmServer:
             DO_NOT_TRACK="1",
             PYTHONUNBUFFERED="1",
         )
+        env.pop("KVLEDGER_VLLM_LEDGER", None)
+        if self.ledger:
+            env["KVLEDGER_VLLM_LEDGER"] = self.ledger_url
         return env
+
+    @property
+    def ledger_url(self) -> str:
+        return f"unix://{self.ledger_socket}"
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> float:
