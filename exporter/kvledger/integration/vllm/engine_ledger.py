@@ -98,9 +98,13 @@ class EngineLedger:
         self.publish_now("after a prefix-cache reset")
 
     def publish_now(self, where: str) -> None:
-        """Publish outside a scheduling step (the engine paused, the cache was reset)."""
+        """Publish outside a scheduling step (the engine paused, the cache was reset): what
+        changed is not known there (a reset preempts every running request), so every
+        request is read again."""
         if self.on:
             try:
+                self.reqs.touched.update(self.known)
+                self.reqs.touched.update(self.view.requests)
                 self.publish()
             except Exception as exc:
                 self.fail(where, exc)
