@@ -52,9 +52,10 @@ SERVE_FLAGS: tuple[str, ...] = (
     "--kv-cache-memory-bytes", str(KV_CACHE_MEMORY_BYTES),
     "--enforce-eager",
     "--served-model-name", SERVED_MODEL_NAME,
-    # kvledger's tenant middleware: an X-Tenant header becomes the ledger's tenant
-    "--middleware", "kvledger.integration.vllm.tenant_header.TenantHeader",
 )  # fmt: skip
+# with the in-engine ledger on: kvledger's tenant middleware (an X-Tenant header becomes the
+# ledger's tenant)
+LEDGER_FLAGS: tuple[str, ...] = ("--middleware", "kvledger.integration.vllm.tenant_header.TenantHeader")
 
 
 class VllmStartError(RuntimeError):
@@ -336,6 +337,7 @@ class VllmServer:
             str(vllm_python()), str(LAUNCHER), "serve", str(self.model_dir),
             "--host", self.host, "--port", str(self.port),
             *SERVE_FLAGS,
+            *(LEDGER_FLAGS if self.ledger else ()),
             "--kv-events-config", json.dumps(self.kv_events_config()),
             *self.extra_args,
         ]  # fmt: skip

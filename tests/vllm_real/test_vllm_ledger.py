@@ -160,6 +160,7 @@ class Record:
     alert_seen_at: str | None = None
     alerts_at_fire: list[dict[str, Any]] = field(default_factory=list)
     alert_diagnosis: dict[str, Any] = field(default_factory=dict)
+    overcommit_point: Point | None = None
     n_point: Point | None = None
     idle_after: Point | None = None
     aborted_status: str = ""
@@ -167,6 +168,8 @@ class Record:
 
     def all_points(self) -> list[Point]:
         out = [self.idle_before, *self.points]
+        if self.overcommit_point:
+            out.append(self.overcommit_point)
         if self.n_point:
             out.append(self.n_point)
         if self.idle_after:
@@ -240,20 +243,40 @@ def record(vllm_server: VllmServer, daemon: Daemon, prometheus: PrometheusServer
                 server.pause()
                 point = capture(f"point {len(rec.points) + 1}", server, daemon.url, stream)
                 rec.points.append(point)
-                overcommitted = sum(reservation_blocks(r) for r in point.rows("running", "preempted")) > 1.2 * CAPACITY
-                if rec.alert_seen_at is None and overcommitted and point.vllm.preemptions > preemptions_at_start:
-                    # paused in an overcommitted, preempting state: the real rules must page
-                    deadline = time.monotonic() + 20
-                    while time.monotonic() < deadline and not (found := firing(prometheus, ALERT)):
-                        time.sleep(0.5)
-                    if found:
-                        rec.alert_seen_at, rec.alerts_at_fire = point.label, found
-                    else:
-                        rec.alert_diagnosis = {q: prometheus.query(q) for q in ALERT_PARTS}
         finally:
             server.resume()
         burst.join(300)
         rec.burst_statuses = [r.status for r in results["burst"].results]
+
+        # the overcommit alert: vLLM has preempted (it counts a preemption when the request's
+        # next output arrives, so the counter rose during the burst); now a second burst is
+        # admitted whole (8 x 9 prompt blocks fit) while its caps need 248 of 127 blocks
+        server.wait_idle()
+        second = threading.Thread(target=lambda: run_burst(
+            server.base_url, requests=BURST_REQUESTS, prefix_tokens=PREFIX, suffix_tokens=SUFFIX,
+            max_tokens=MAX_TOKENS, sample_every=None), daemon=True)
+        server.pause()
+        try:
+            second.start()
+            time.sleep(0.5)
+            for _ in range(10):
+                server.resume()
+                time.sleep(SLICE)
+                server.pause()
+                point = capture("overcommitted", server, daemon.url, stream)
+                if sum(reservation_blocks(r) for r in point.rows("running", "preempted")) > 1.2 * CAPACITY:
+                    break
+            rec.overcommit_point = point
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not (found := firing(prometheus, ALERT)):
+                time.sleep(0.5)
+            if found:
+                rec.alert_seen_at, rec.alerts_at_fire = point.label, found
+            else:
+                rec.alert_diagnosis = {q: prometheus.query(q) for q in ALERT_PARTS}
+        finally:
+            server.resume()
+        second.join(300)
 
         # n > 1, with a tenant header: three requests in the engine sharing the prompt's blocks
         server.wait_idle()
