@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from alerts_support import load
+
 from harness.kvledger_daemon import Daemon, run_serve
 from harness.prometheus import PrometheusServer, start_prometheus
 
@@ -228,7 +228,6 @@ def record(vllm_server: VllmServer, daemon: Daemon, prometheus: PrometheusServer
         time.sleep(0.5)  # the SUB connection settles
         server.wait_idle()
         rec = Record(capture("idle before", server, daemon.url, stream))
-        preemptions_at_start = rec.idle_before.vllm.preemptions
         results: dict[str, Any] = {}
         burst = threading.Thread(target=lambda: results.update(burst=run_burst(
             server.base_url, requests=BURST_REQUESTS, prefix_tokens=PREFIX, suffix_tokens=SUFFIX,

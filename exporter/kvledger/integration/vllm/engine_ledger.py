@@ -94,7 +94,7 @@ class EngineLedger:
             self.fail("after finishing requests", exc)
 
     def _after_reset(self) -> None:
-        self.pool.resync_needed = True
+        self.pool.clear()  # the publication's cross-check with vLLM's free queue still runs
         self.publish_now("after a prefix-cache reset")
 
     def publish_now(self, where: str) -> None:
