@@ -79,6 +79,17 @@ class EngineLedger:
         except Exception as exc:
             self.fail("after a scheduling step", exc)
 
+    def after_update(self, output: Any) -> None:
+        """vLLM's update_from_output changed the rows of the step's requests (a token
+        generated, a request finished) after the publication of that step: read them again
+        at the next one, or a pause or an abort would publish them a step behind."""
+        if not self.on:
+            return
+        try:
+            self.reqs.touched.update(step_facts(output)[0])
+        except Exception as exc:
+            self.fail("after a model step", exc)
+
     def after_add(self, request_id: str) -> None:
         if self.on:
             self.reqs.touched.add(request_id)
@@ -94,7 +105,12 @@ class EngineLedger:
             self.fail("after finishing requests", exc)
 
     def _after_reset(self) -> None:
+        if not self.on:
+            return
         self.pool.resync_needed = True
+        # reset_prefix_cache(reset_running_requests=True) preempted every running request
+        # outside a scheduling step: re-read every row (a reset is rare)
+        self.reqs.touched.update(self.known)
         self.publish_now("after a prefix-cache reset")
 
     def publish_now(self, where: str) -> None:
