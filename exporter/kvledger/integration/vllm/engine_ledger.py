@@ -79,6 +79,17 @@ class EngineLedger:
         except Exception as exc:
             self.fail("after a scheduling step", exc)
 
+    def after_update(self, output: Any) -> None:
+        """vLLM's update_from_output changed the rows of the step's requests (a token
+        generated, a request finished) after the publication of that step: read them again
+        at the next one, or a pause or an abort would publish them a step behind."""
+        if not self.on:
+            return
+        try:
+            self.reqs.touched.update(step_facts(output)[0])
+        except Exception as exc:
+            self.fail("after a model step", exc)
+
     def after_add(self, request_id: str) -> None:
         if self.on:
             self.reqs.touched.add(request_id)
@@ -94,6 +105,10 @@ class EngineLedger:
             self.fail("after finishing requests", exc)
 
     def _after_reset(self) -> None:
+        if not self.on:
+            return
+        # every block is free and uncached now; reset_prefix_cache(reset_running_requests=True)
+        # preempted every running request outside a step: publish_now re-reads every row
         self.pool.clear()  # the publication's cross-check with vLLM's free queue still runs
         self.publish_now("after a prefix-cache reset")
 

@@ -82,13 +82,13 @@ def patch_scheduler_choice(attach: Callable[[Any], None], hooks: type) -> None:
         chosen: type = original(self)
         return _subclass(chosen, hooks, attach)
 
-    get_scheduler_cls._kvledger_wrapped = True  # type: ignore[attr-defined]
+    get_scheduler_cls._kvledger_wrapped = True  # type: ignore[attr-defined]  # a marker on the function object
     SchedulerConfig.get_scheduler_cls = get_scheduler_cls
 
 
 @functools.cache
 def _subclass(chosen: type, hooks: type, attach: Callable[[Any], None]) -> type:
-    parent_init: Callable[..., None] = chosen.__init__  # type: ignore[misc]
+    parent_init: Callable[..., None] = chosen.__init__  # type: ignore[misc]  # __init__ read from a class object
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         parent_init(self, *args, **kwargs)

@@ -68,14 +68,22 @@ class LedgerHooks:
     _kvledger: Any = None
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        output = super().schedule(*args, **kwargs)  # type: ignore[misc]  # the scheduler class this mixin is put before
         ledger = self._kvledger
         if ledger is not None:
             ledger.after_schedule(output)
         return output
 
+    def update_from_output(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        # the model's output changes the step's requests (tokens generated, requests finished)
+        result = super().update_from_output(scheduler_output, *args, **kwargs)  # type: ignore[misc]  # the scheduler class this mixin is put before
+        ledger = self._kvledger
+        if ledger is not None:
+            ledger.after_update(scheduler_output)
+        return result
+
     def add_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
-        result = super().add_request(request, *args, **kwargs)  # type: ignore[misc]
+        result = super().add_request(request, *args, **kwargs)  # type: ignore[misc]  # the scheduler class this mixin is put before
         ledger = self._kvledger
         if ledger is not None:
             ledger.after_add(getattr(request, "request_id", None))
@@ -85,14 +93,14 @@ class LedgerHooks:
         ledger = self._kvledger
         if ledger is not None and request_ids is not None:
             request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        result = super().finish_requests(request_ids, *args, **kwargs)  # type: ignore[misc]
+        result = super().finish_requests(request_ids, *args, **kwargs)  # type: ignore[misc]  # the scheduler class this mixin is put before
         if ledger is not None:
             ledger.after_finish(request_ids)
         return result
 
     def set_pause_state(self, *args: Any, **kwargs: Any) -> Any:
         # a paused engine stops calling schedule(): publish the state it pauses in
-        result = super().set_pause_state(*args, **kwargs)  # type: ignore[misc]
+        result = super().set_pause_state(*args, **kwargs)  # type: ignore[misc]  # the scheduler class this mixin is put before
         ledger = self._kvledger
         if ledger is not None:
             ledger.publish_now("after a pause or resume")
@@ -102,4 +110,4 @@ class LedgerHooks:
         ledger = self._kvledger
         if ledger is not None:
             ledger.close()
-        return super().shutdown(*args, **kwargs)  # type: ignore[misc]
+        return super().shutdown(*args, **kwargs)  # type: ignore[misc]  # the scheduler class this mixin is put before
