@@ -450,7 +450,8 @@ def test_without_the_integration_vllm_is_unchanged_and_the_daemon_falls_back(
     vllm_server.start()
     log = vllm_server.log_path.read_text(errors="replace").rsplit("==== start", 1)[1]
     assert "kvledger" not in log  # inert: not one line
-    assert not vllm_server.ledger_socket.exists()
+    with pytest.raises((ConnectionRefusedError, FileNotFoundError)):  # a killed engine may leave the file
+        vllm_server.ledger_document()
     result = vllm_server.complete(words(unique_suffix_ids(7, 40)), 20)
     assert result.status == 200 and result.completion_tokens == 20
     s = wait_for_scrape(daemon.url, lambda s: s.up("vllm") == 1 and s.up("ledger") == 0, 60,
