@@ -85,3 +85,14 @@ def test_stated_reservation_wins_over_the_running_count_bound() -> None:
     assert p.reserved_blocks == Measure(exact=120)
     (q,) = account(PoolFacts(id="0", block_size=16, num_blocks=300, running_requests=4)).pools
     assert q.reserved_blocks == Measure(upper=256)
+
+
+def test_utilization_ratios_share_one_meaning_across_engines() -> None:
+    # TensorRT-LLM-like: in-use exact -> physical exact; reservations bounded -> quota bounded
+    (p,) = account(PoolFacts(id="0", block_size=32, num_blocks=100, in_use=40, unreferenced_blocks=60,
+                             running_requests=3)).pools
+    assert p.physical_utilization == Measure(exact=0.4)
+    assert p.quota_utilization == Measure(upper=3 * 32 / 100)  # 3 x ceil(1024 / 32) = 96 blocks
+    # TGI-like: no physical state, the reservation exact (may exceed 1: a broken promise)
+    (q,) = account(PoolFacts(id="0", block_size=16, num_blocks=200, reserved_blocks=250)).pools
+    assert q.physical_utilization is None and q.quota_utilization == Measure(exact=1.25)

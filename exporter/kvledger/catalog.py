@@ -90,6 +90,14 @@ def _headroom(a: Accounts) -> Iterator[Sample]:
                     yield (e.name, p.pool, kind, basis), float(v)
 
 
+def _utilization(a: Accounts) -> Iterator[Sample]:
+    for e, p in _pools(a):
+        for kind, m in (("physical", p.physical_utilization), ("quota", p.quota_utilization)):
+            if m is not None:
+                for basis, v in m.series():
+                    yield (e.name, p.pool, kind, basis), float(v)
+
+
 def _pending(a: Accounts) -> Iterator[Sample]:
     for e, p in _pools(a):
         if p.block_bytes is None:
@@ -305,6 +313,10 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("kvledger_kv_headroom_bytes", "gauge", "bytes", "kv", ("engine", "pool", "kind", "basis"),
                "Headroom: kind=quota is capacity minus reserved (negative = overcommit); kind=physical is free "
                "plus reclaimable. Different numbers, never one.", _headroom),
+    MetricSpec("kvledger_kv_utilization_ratio", "gauge", "ratio", "kv", ("engine", "pool", "kind", "basis"),
+               "Share of the pool's capacity: kind=physical is in-use blocks / capacity (reclaimable blocks count "
+               "as available), kind=quota is reserved / capacity (above 1: overcommit). The same meaning for every "
+               "engine kind: the gauge a router should read instead of each engine's own usage gauge.", _utilization),
     MetricSpec("kvledger_kv_resident_tokens", "gauge", "tokens", "kv", EPB,
                "Tokens resident in the KV cache for running requests under the declared sharing rule.",
                _pool_measure(lambda p: p.resident_tokens)),

@@ -258,6 +258,9 @@ class PoolAccount:
     physical_headroom_blocks: Measure | None = None
     admission_headroom_requests: Measure | None = None
     engine_reported_used_blocks: float | None = None
+    # in_use / capacity and reserved / capacity: one basis-consistent usage gauge per kind
+    physical_utilization: Measure | None = None
+    quota_utilization: Measure | None = None
 
     def bytes_of(self, blocks: Measure | None) -> Measure | None:
         return _scale(blocks, self.block_bytes)
@@ -476,7 +479,18 @@ def pool_account(
     acc.admission_headroom_requests = admission_headroom(
         acc.reserved_blocks, c, b, L, engine.budgets.max_num_seqs, running
     )
+    acc.physical_utilization = ratio_of_capacity(phys.in_use, c)
+    acc.quota_utilization = ratio_of_capacity(acc.reserved_blocks, c)
     return acc
+
+
+def ratio_of_capacity(blocks: Measure | None, capacity: int) -> Measure | None:
+    """blocks / C, bounds kept on their sides (physical: in_use / C, the share of the pool
+    requests hold, reclaimable blocks counting as available; quota: reserved / C, above 1
+    when admitted requests may claim more than the pool)."""
+    if blocks is None:
+        return None
+    return Measure(*(None if v is None else v / capacity for v in (blocks.exact, blocks.lower, blocks.upper)))
 
 
 def _add(a: float | None, b: float | None) -> float | None:
