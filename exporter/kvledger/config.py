@@ -334,6 +334,11 @@ def _tokens(value: Any) -> int:
     return _pos_int(value, MAX_TOKENS)
 
 
+def _tokens_text(value: Any) -> str:
+    """A kind's ``tokens`` option, kept as the decimal text of a token count in 1 .. 2**30."""
+    return str(_tokens(value))
+
+
 def _nonneg_number(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_SAFE_INT:
         raise ValueError(f"expected a finite non-negative number, got {_brief(value)}")
@@ -358,6 +363,10 @@ def _url(raw: Any) -> str:
     if re.match(r"^https?://[/?#]|^https?://$", value):
         raise ValueError(f"an http(s) URL needs a host, e.g. http://127.0.0.1:8000/metrics; got {_brief(value)}")
     return value
+
+
+#: how the loader reads a kind's own key, by its Option.value (engine_kinds)
+_OPTION_READERS: dict[str, Callable[[Any], str]] = {"address": _url, "path": _str, "tokens": _tokens_text}
 
 
 def _int_list(value: Any) -> tuple[int, ...]:
@@ -469,7 +478,7 @@ def _engine(r: _Reader, names: set[str]) -> EngineConfig:
         options=tuple(
             (o.name, value)
             for o in KINDS[kind].options
-            if (value := r.get(o.name, _url if o.value == "address" else _str, None)) is not None
+            if (value := r.get(o.name, _OPTION_READERS[o.value], None)) is not None
         ),
         admission=r.get("admission", _choice(ADMISSIONS), None),
         overflow=r.get("overflow", _choice(OVERFLOWS), None),

@@ -26,10 +26,11 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Option:
     """A configuration key only this kind accepts; the loader checks it by ``value``:
-    ``address`` (tcp://, ipc://, http(s):// or unix:///absolute/path) or ``path`` (a file)."""
+    ``address`` (tcp://, ipc://, http(s):// or unix:///absolute/path), ``path`` (a file) or
+    ``tokens`` (a whole number of tokens, 1 .. 2**30; the source reads it as its decimal text)."""
 
     name: str
-    value: Literal["address", "path"]
+    value: Literal["address", "path", "tokens"]
     help: str
 
 
@@ -52,7 +53,7 @@ class EngineKind:
 KINDS: dict[str, EngineKind] = {}
 
 #: kinds on the roadmap: named in the error for an unknown kind, never accepted
-PLANNED: tuple[str, ...] = ("sglang", "trtllm", "triton-trtllm", "tgi", "llamacpp")
+PLANNED: tuple[str, ...] = ("llamacpp",)
 
 
 def register(kind: EngineKind) -> None:
@@ -89,4 +90,50 @@ register(EngineKind(
     overflow="preempt-recompute",
     docs="docs/engines/vllm.md",
     summary="vLLM: /metrics, optional KV events (ZMQ), startup log and in-engine ledger (exact)",
+))
+
+register(EngineKind(
+    name="sglang",
+    source="kvledger.sources.sglang.source:SglangSource",
+    options=(
+        Option("server_info_url", "address",
+               "GET /get_server_info, for page_size on builds whose /metrics has no sglang:page_size"),
+    ),
+    admission="dynamic",  # SGLang allocates on demand and retracts (recomputes) under pressure
+    overflow="preempt-recompute",
+    docs="docs/engines/sglang.md",
+    summary="SGLang's /metrics (--enable-metrics): KV tokens in pages, sliding-window and mamba pools apart",
+))
+
+register(EngineKind(
+    name="trtllm",
+    source="kvledger.sources.trtllm.source:TrtllmSource",
+    options=(),
+    admission="reserve-cap",  # the default GUARANTEED_NO_EVICT scheduler; MAX_UTILIZATION: set admission: dynamic
+    overflow="preempt-recompute",  # MAX_UTILIZATION pauses requests (blocks freed, recomputed later)
+    docs="docs/engines/trtllm.md",
+    summary="trtllm-serve's GET /prometheus/metrics (never the destructive JSON /metrics)",
+))
+
+register(EngineKind(
+    name="triton-trtllm",
+    source="kvledger.sources.triton_trtllm.source:TritonTrtllmSource",
+    options=(),
+    admission="reserve-cap",  # the backend's default batch_scheduler_policy guaranteed_no_evict
+    overflow="preempt-recompute",
+    docs="docs/engines/triton-trtllm.md",
+    summary="Triton's /metrics (port 8002) with the TensorRT-LLM backend's nv_trt_llm_* families",
+))
+
+register(EngineKind(
+    name="tgi",
+    source="kvledger.sources.tgi.source:TgiSource",
+    options=(
+        Option("block_size", "tokens",
+               "tokens per KV block of TGI's attention backend (flashinfer 1, the default; paged 16; flashdecoding 256)"),
+    ),
+    admission="reserve-cap",  # TGI reserves input + max_new_tokens up front and never preempts
+    overflow="reject",
+    docs="docs/engines/tgi.md",
+    summary="TGI's /metrics: the running batch's reservation and the warmed-up token capacity",
 ))

@@ -40,7 +40,11 @@ COUNTER_NAMES: tuple[str, ...] = (
     "reservation_leaks",
     "prefix_cache_queried_tokens",  # prompt tokens looked up in the prefix cache
     "prefix_cache_hit_tokens",  # of those, tokens found cached
+    "host_offloaded_tokens",  # tokens moved from the GPU pool to a host (CPU) tier (SGLang HiCache)
+    "host_loaded_tokens",  # tokens loaded back from the host tier into the GPU pool
 )
+#: kinds of memory an engine's runtime reports holding (TensorRT-LLM's memory counters)
+REPORTED_MEMORY_TYPES: tuple[str, ...] = ("gpu", "cpu", "pinned")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +75,14 @@ class PoolFacts:
     block_refs: Sequence[BlockRef] | None = None  # a BlockRefArray for large ledgers
     # Blocks holding cached (hashed) data, referenced or not (e.g. from KV events).
     cached_blocks: int | None = None
+    # Blocks no request references, free and reclaimable together, as an engine states
+    # them when its "free" count includes reusable cached blocks (TensorRT-LLM's free
+    # blocks): the policy takes free + reclaimable = this exactly and bounds each by it.
+    unreferenced_blocks: int | None = None
+    # Blocks the engine states it has reserved for its admitted requests, each request
+    # counted alone (TGI's tgi_batch_current_max_tokens / block size): the per-request
+    # reservation exactly, an upper bound on the reference-aware one.
+    reserved_blocks: int | None = None
     # The engine's own claim of used blocks (for the consistency alert).
     engine_reported_used_blocks: float | None = None
     # Admitted requests known only as a count (when individual requests are unknown):
@@ -169,6 +181,9 @@ class EngineFacts:
     # Cumulative counters reported by the engine, keyed by COUNTER_NAMES; absent = unknown.
     counters: dict[str, float] = field(default_factory=dict)
     memory: list[MemoryTerm] = field(default_factory=list)
+    # Memory the engine's runtime reports holding, by REPORTED_MEMORY_TYPES (bytes, as the
+    # engine counts it): shown beside the device budget, never added to it.
+    reported_memory: dict[str, int] = field(default_factory=dict)
     host: HostFacts = field(default_factory=HostFacts)
     tenants: list[TenantQuota] = field(default_factory=list)
     gpus: list[int] = field(default_factory=list)

@@ -219,6 +219,22 @@ def physical_state(pool: PoolFacts) -> Physical:
             pool.references,
             pool.shared,
         )
+    if u is not None and pool.unreferenced_blocks is not None:
+        # The engine states the blocks no request references (F), free and reclaimable
+        # together (TensorRT-LLM counts reusable cached blocks as free): each of free and
+        # reclaimable lies in [0, F] and allocated in [U, U + F]. Only the informative
+        # side is exported: a zero lower bound would read as a zero.
+        f = pool.unreferenced_blocks
+        part = Measure.bounds(0 if f == 0 else None, f)
+        assert part is not None
+        return Physical(
+            Measure(exact=u),
+            part,
+            Measure.bounds(u, u + f),
+            part,
+            pool.references,
+            pool.shared,
+        )
     return Physical(Measure.of(u), None, None, None, pool.references, pool.shared)
 
 
@@ -242,6 +258,9 @@ class PoolAccount:
     physical_headroom_blocks: Measure | None = None
     admission_headroom_requests: Measure | None = None
     engine_reported_used_blocks: float | None = None
+    # in_use / capacity and reserved / capacity: one basis-consistent usage gauge per kind
+    physical_utilization: Measure | None = None
+    quota_utilization: Measure | None = None
 
     def bytes_of(self, blocks: Measure | None) -> Measure | None:
         return _scale(blocks, self.block_bytes)
@@ -424,6 +443,15 @@ def pool_account(
         else:
             acc.reserved_blocks = Measure(exact=int(cols.claimed[adm].sum()))
             acc.resident_tokens = Measure(exact=computed)
+    elif pool.reserved_blocks is not None:
+        # The engine states its reservations, each request counted alone (TGI): exactly
+        # the per-request rule; under reference-aware sharing, where blocks resident
+        # are counted once, it is an upper bound (and in-use blocks a lower one).
+        running = pool.running_requests
+        if sharing == "reference-aware":
+            acc.reserved_blocks = Measure.bounds(in_use, pool.reserved_blocks)
+        else:
+            acc.reserved_blocks = Measure(exact=pool.reserved_blocks)
     elif pool.running_requests is not None and L is not None:
         # Only a count of admitted requests: each may reserve at most ceil(L / B)
         # blocks, and never less than what is in use.
@@ -451,7 +479,18 @@ def pool_account(
     acc.admission_headroom_requests = admission_headroom(
         acc.reserved_blocks, c, b, L, engine.budgets.max_num_seqs, running
     )
+    acc.physical_utilization = ratio_of_capacity(phys.in_use, c)
+    acc.quota_utilization = ratio_of_capacity(acc.reserved_blocks, c)
     return acc
+
+
+def ratio_of_capacity(blocks: Measure | None, capacity: int) -> Measure | None:
+    """blocks / C, bounds kept on their sides (physical: in_use / C, the share of the pool
+    requests hold, reclaimable blocks counting as available; quota: reserved / C, above 1
+    when admitted requests may claim more than the pool)."""
+    if blocks is None:
+        return None
+    return Measure(*(None if v is None else v / capacity for v in (blocks.exact, blocks.lower, blocks.upper)))
 
 
 def _add(a: float | None, b: float | None) -> float | None:
@@ -493,7 +532,14 @@ def admission_headroom(
 #: checks whose failure makes the pool's physical state impossible: in_use, reclaimable
 #: and free (and what derives from them) are then exported as unknown, never as numbers
 PHYSICAL_CHECKS = frozenset(
-    ("in_use_le_capacity", "allocated_le_capacity", "reclaimable_nonnegative", "free_nonnegative", "partition")
+    (
+        "in_use_le_capacity",
+        "allocated_le_capacity",
+        "reclaimable_nonnegative",
+        "free_nonnegative",
+        "partition",
+        "unreferenced_partition",
+    )
 )
 #: the engine's own used-blocks claim lies outside [0, capacity]: not exported
 ENGINE_REPORTED_CHECK = "engine_reported_used_in_range"
@@ -532,6 +578,13 @@ def invariant_violations(pool: PoolFacts, phys: Physical) -> list[str]:
         and pool.in_use + pool.reclaimable + pool.free != c
     ):
         bad.append("partition")
+    if (
+        not phys.derived
+        and pool.in_use is not None
+        and pool.unreferenced_blocks is not None
+        and pool.in_use + pool.unreferenced_blocks != c
+    ):
+        bad.append("unreferenced_partition")
     if phys.derived:
         # block-level detail present: the summary fields must agree with it
         checks = (
@@ -557,7 +610,7 @@ def _without_impossible(
     anything computed from them; an out-of-range engine claim is not exported."""
     if not PHYSICAL_CHECKS.isdisjoint(bad):
         unknown = dataclasses.replace(
-            pool, in_use=None, reclaimable=None, free=None, block_refs=None, cached_blocks=None
+            pool, in_use=None, reclaimable=None, free=None, block_refs=None, cached_blocks=None, unreferenced_blocks=None
         )
         acc = pool_account(engine, unknown, cols, sharing)
     if ENGINE_REPORTED_CHECK in bad:
