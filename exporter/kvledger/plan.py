@@ -206,12 +206,12 @@ def _verdict(
         kv = by.get("kv_pool", 0)
         if term is not None:
             closes = False
-            message = (f"does not close: {' + '.join(f'{c} {_gib(by[c])}' for c in PLAN_TERM_ORDER if c in by)} "
+            message = (f"{' + '.join(f'{c} {_gib(by[c])}' for c in PLAN_TERM_ORDER if c in by)} "
                        f"= {_gib(sum(by.values()))} exceeds the device's {_gib(total)}; {term} breaks it")
             failures.append((term, "exceeds the device"))
         elif kv < min_kv_bytes:
             closes = False
-            message = (f"does not close: the KV pool ({_gib(kv)} per GPU) cannot hold one request at its cap "
+            message = (f"the KV pool ({_gib(kv)} per GPU) cannot hold one request at its cap "
                        f"({_gib(min_kv_bytes)} with the null block); kv_pool breaks it")
             failures.append(("kv_pool", "below one request at its cap"))
         else:
@@ -223,14 +223,14 @@ def _verdict(
                            f"({_gib(min_kv_bytes)}) and more")
     if kv_bytes is not None and kv_bytes < min_kv_bytes and not failures:
         closes = False
-        message = (f"does not close: the KV pool ({_gib(kv_bytes)} per GPU) cannot hold one request at its cap "
+        message = (f"the KV pool ({_gib(kv_bytes)} per GPU) cannot hold one request at its cap "
                    f"({_gib(min_kv_bytes)}); kv_pool breaks it")
         failures.append(("kv_pool", "below one request at its cap"))
     for term, why in extra_failures:
         failures.append((term, why))
         if closes is not False:
             closes = False
-            message = f"does not close: {term} {why}"
+            message = f"{why}; {term} breaks it"
     if closes and estimates:
         message += f"; rests on estimates ({', '.join(estimates)}): not a hard guarantee"
     return {
@@ -526,7 +526,7 @@ def plan_from_live(
         at_cap = int(ceil_div(L, int(b)))
         pools.append(PoolReport(
             id=pool, layers=None, sliding_window=None, layer_groups=None,
-            bytes_per_token=block_bytes // int(b), bytes_per_token_per_gpu=None,
+            bytes_per_token=block_bytes // int(b) if block_bytes % int(b) == 0 else None, bytes_per_token_per_gpu=None,
             block_bytes=block_bytes, block_bytes_per_gpu=None, blocks_per_request_at_cap=at_cap,
         ))
         usable_total += int(cap)
