@@ -166,6 +166,15 @@ def test_weights_llama_8b_equal_the_published_parameter_count() -> None:
     assert count_weights(LLAMA_31_8B, 2).bytes_per_gpu == 8_030_527_488
 
 
+def test_weights_of_the_tiny_model() -> None:
+    # embedding and head 2 x 1,000 x 128 = 256,000; attention per layer q 128x128 + k,v 2 x 64x128
+    # + o 128x128 = 49,152, x 2 = 98,304; MLP 3 x 256 x 128 x 2 = 196,608; norms 2 x 128 x 2 + 128 = 640:
+    # 551,552 params, 1,103,104 B in bf16: what make_tiny_model.py's model.safetensors holds
+    # (tests/vllm_real/test_plan_on_vllm.py compares with the real file)
+    w = count_weights({**TINY, "torch_dtype": None, "dtype": "bfloat16"})  # transformers 5 writes "dtype"
+    assert w.params == 551_552 and w.bytes == 1_103_104
+
+
 def test_weights_of_other_published_configs() -> None:
     # Llama-3.1-70B: 2 x 1,050,673,152 (embedding, head) + 80 x 150,994,944 (attention)
     # + 80 x 704,643,072 (MLP) + 2 x 8,192 x 80 + 8,192 (norms) = 70,553,706,496
@@ -199,7 +208,7 @@ def test_weights_deepseek_v3_moe_mla_fp8() -> None:
 def test_weights_errors_name_the_key() -> None:
     with pytest.raises(ModelConfigError, match="'vocab_size'"):
         count_weights({k: v for k, v in LLAMA_31_8B.items() if k != "vocab_size"})
-    with pytest.raises(ModelConfigError, match="quant_method.*'awq'"):
+    with pytest.raises(ModelConfigError, match=r"quant_method.*'awq'"):
         count_weights({**LLAMA_31_8B, "quantization_config": {"quant_method": "awq"}})
 
 
@@ -409,7 +418,7 @@ def test_missing_terms_leave_the_verdict_undecided(tmp_path: Path, capsys: pytes
 
 
 def test_gpu_memory_utilization_sets_the_reserve(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, write(tmp_path, "llama8b", LLAMA_31_8B), "--gpu-memory", "80GiB", "--max-model-len", "8192",
+    _code, out, _ = run(capsys, write(tmp_path, "llama8b", LLAMA_31_8B), "--gpu-memory", "80GiB", "--max-model-len", "8192",
                        "--workspace", "2GiB:measured", "--runtime-buffers", "1GiB:measured",
                        "--gpu-memory-utilization", "0.9", "--json")
     terms = {t["category"]: t for t in json.loads(out)["budget"]["terms"]}
@@ -482,7 +491,7 @@ def live_server() -> Iterator[str]:
     bodies = {"/metrics": GOLDEN.read_bytes(), "/api/v1/accounts": _json_view(GOLDEN.read_text())}
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        def do_GET(self) -> None:
             body = bodies.get(self.path)
             self.send_response(200 if body else 404)
             self.send_header("Content-Length", str(len(body or b"")))
@@ -514,3 +523,24 @@ def test_from_url_reads_metrics_and_the_json_view_alike(live_server: str, capsys
     assert code == 2 and "HTTP 404" in err
     code, _out, err = run(capsys, "--from", live_server + "/metrics", "--engine", "absent")
     assert code == 2 and "--engine 'absent'" in err
+
+
+def test_configured_kv_pool_is_checked_against_the_device(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = write(tmp_path, "llama8b", LLAMA_31_8B)
+    base = (cfg, "--gpu", "H100-80GB", "--max-model-len", "8192", "--kv-cache-memory-bytes", "40GiB")
+    # 14.96 GiB of weights + 2 + 1 + 4 GiB + 40 GiB of KV: 18.04 GiB of slack
+    code, out, _ = run(capsys, *base, *TERMS, "--json", "--check")
+    doc = json.loads(out)
+    assert code == 0 and doc["kv"]["num_blocks"] == 40 * 1024 // 2  # 2 MiB blocks
+    assert f"slack {(80 * GIB - 16_060_522_496 - 47 * GIB) / GIB:.2f} GiB" in doc["verdict"]["message"]
+    # 60 GiB of KV does not fit beside the rest: kv_pool breaks it
+    code, _out, err = run(capsys, *base[:-1], "60GiB", *TERMS, "--check")
+    assert code == 1 and "check failed: kv_pool:" in err
+    # without the workspace the device budget cannot be decided
+    code, out, _ = run(capsys, *base, "--runtime-buffers", "1GiB:measured", "--reserve", "4GiB:configured", "--check")
+    assert code == 1 and "UNDECIDED" in out and "workspace not given" in out
+
+
+def test_every_gpu_of_the_table_cites_its_vendor() -> None:
+    for name, (size, cite) in GPUS.items():
+        assert size % GIB == 0 and "datasheet" in cite, name

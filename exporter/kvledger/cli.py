@@ -257,8 +257,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ModelPlanInput,
         PlanError,
         fetch_live,
-        parse_live,
         parse_lengths,
+        parse_live,
         parse_term,
         plan_from_live,
         plan_from_model,
@@ -363,9 +363,9 @@ def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     pl.add_argument("--weights-dtype", default="auto", help="dtype of unquantized weights (auto: the config's)")
     pl.add_argument("--block-size", type=_positive, default=16, metavar="TOKENS")
     pl.add_argument("--max-model-len", type=_positive, metavar="TOKENS", help="default: max_position_embeddings")
-    pl.add_argument("--max-num-seqs", type=_positive, default=256)
+    pl.add_argument("--max-num-seqs", type=_positive, default=256, help="default 256 (give the engine's)")
     pl.add_argument("--max-num-batched-tokens", type=_positive, metavar="TOKENS",
-                    help="per-iteration token budget (default: max(max_model_len, 2048))")
+                    help="per-iteration token budget (default 2048; give the engine's)")
     pl.add_argument("--speculative-tokens", type=_nonnegative, default=0, metavar="K")
     pl.add_argument("-n", type=_positive, default=1, help="parallel samples per request")
     pl.add_argument("--in-flight-batches", type=_positive, default=1, metavar="N",

@@ -54,7 +54,9 @@ GIB = 1 << 30
 #: Device memory by GPU name, from the vendors' datasheets. Vendors state HBM/GDDR
 #: capacity in "GB" that are binary gigabytes (an H100's 80 GB is five 16 GiB HBM3
 #: stacks), so the figures are GiB. NVML's total is a little lower (the driver and
-#: ECC keep some): pass --gpu-memory with nvidia-smi's total for a tight check.
+#: ECC keep some; an H200 reports 143,771 MiB = 150,754,820,096 B with driver 580.159.04,
+#: measured, against 141 GiB = 151,397,597,184 B here): pass --gpu-memory with NVML's total
+#: (nvidia-smi --query-gpu=memory.total) for a tight check.
 GPUS: dict[str, tuple[int, str]] = {
     "A10": (24 * GIB, "NVIDIA A10 datasheet: 24 GB GDDR6"),
     "L4": (24 * GIB, "NVIDIA L4 datasheet: 24 GB GDDR6"),
@@ -67,6 +69,11 @@ GPUS: dict[str, tuple[int, str]] = {
     "B200": (180 * GIB, "NVIDIA DGX B200 datasheet: 1,440 GB over 8 GPUs (180 GB HBM3e each)"),
     "MI300X": (192 * GIB, "AMD Instinct MI300X datasheet: 192 GB HBM3"),
 }
+
+#: vLLM's API-server defaults on GPUs under 70 GiB (engine/arg_utils.py; larger GPUs get
+#: 8192 and 1024): give the engine's own values
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_NUM_SEQS = 256
 
 #: where a plan's figure comes from, beyond the budget's own sources
 PLAN_SOURCES = (*TERM_SOURCES, "counted", "derived")
@@ -259,8 +266,8 @@ class ModelPlanInput:
     weights_dtype: str = "auto"
     block_size: int = 16
     max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int | None = None  # DEFAULT_MAX_NUM_BATCHED_TOKENS
     speculative_tokens: int = 0
     n: int = 1
     in_flight_batches: int = 1
@@ -302,7 +309,7 @@ def plan_from_model(inp: ModelPlanInput) -> Report:
     max_len = inp.max_model_len or _max_position(cfg)
     if max_len is None:
         raise PlanError(f"{inp.config}: no max_position_embeddings; give --max-model-len")
-    batched = inp.max_num_batched_tokens or max(max_len, 2048)
+    batched = inp.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
     in_flight = inp.in_flight_batches * batched
     total, device = device_memory(inp.gpu, inp.gpu_memory)
 
@@ -351,7 +358,7 @@ def plan_from_model(inp: ModelPlanInput) -> Report:
         kv_bytes: int | None = inp.kv_cache_memory_bytes
         kv_source = "configured"
         kv_basis = "hard"
-        unknown_for_kv: list[str] = []
+        unknown_for_kv: list[str] = unknown if total is not None else []
     elif total is None:
         raise PlanError("give the device (--gpu NAME or --gpu-memory SIZE) or the KV pool (--kv-cache-memory-bytes)")
     else:
@@ -399,8 +406,6 @@ def plan_from_model(inp: ModelPlanInput) -> Report:
             extra.append(("kv_pool", f"admits {worst} requests at their cap under reserve-cap, "
                                      f"below --min-concurrency {inp.min_concurrency}"))
     verdict = _verdict(total, terms, unknown_for_kv, min_kv, kv_bytes, extra)
-    if inp.kv_cache_memory_bytes is not None and total is not None and unknown:
-        verdict["message"] += f" (the KV pool is configured; {', '.join(unknown)} not given, so the device budget is not checked)"
     notes = [f"the KV cache holds {shape.dtype_bytes} byte(s) per element"]
     if weights is not None:
         notes.append(f"weights counted from {Path(inp.config).name}: {weights.params:,} parameters, {weights.dtype}"
@@ -562,9 +567,8 @@ def plan_from_live(
     if min_concurrency is not None and worst < min_concurrency:
         extra.append(("kv_pool", f"admits {worst} requests at their cap under reserve-cap, below --min-concurrency {min_concurrency}"))
     kv_term = next((t for t in terms if t.category == "kv_pool"), None)
-    per_gpu_block = None
-    if kv_term is not None and usable_total:
-        per_gpu_block = kv_term.bytes // (usable_total + NULL_BLOCKS) if kv_term.source == "measured" else None
+    if usable_total < per_request_total:
+        extra.append(("kv_pool", f"cannot hold one request at its cap ({per_request_total} blocks > capacity {usable_total})"))
     verdict = _verdict(total, terms, [u for u in unknown if u != "reserve" or total is None], 0, None, extra)
     if "reserve" in unknown and verdict["closes"] is not None:
         verdict["message"] += "; no reserve declared (memory.reserve_bytes)"
@@ -601,7 +605,7 @@ def plan_from_live(
         kv={"pool_bytes_per_gpu": kv_term.bytes if kv_term else None, "pool_source": kv_term.source if kv_term else None,
             "basis": "hard", "usable_blocks": usable_total, "capacity_bytes": capacity_bytes_total,
             "block_size": b0, "token_capacity": int(sum(v for _l, v in _pick(samples, "kvledger_kv_token_capacity", engine=engine)))
-            or usable_total * b0, "blocks_per_request_at_cap": per_request_total, "block_bytes_per_gpu": per_gpu_block},
+            or usable_total * b0, "blocks_per_request_at_cap": per_request_total},
         concurrency=concurrency,
         verdict=verdict,
         notes=[f"engine {engine!r} as its kvledger exports it: capacity and budget terms are live"],
