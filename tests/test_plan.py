@@ -4,8 +4,13 @@ their model cards publish them) and against vLLM's own block arithmetic."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
+import io
 import json
+import os
+import re
+import shlex
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -472,9 +477,18 @@ def test_from_metrics_text_uses_the_live_terms() -> None:
         ("weights", 1000, "measured"), ("workspace", 1000, "measured"), ("runtime_buffers", 1000, "measured"),
         ("reserve", 1000, "measured"), ("kv_pool", 10000, "measured")]
     assert r.kv["usable_blocks"] == 10 and r.kv["blocks_per_request_at_cap"] == 256  # ceil(4096 / 16)
-    # 2 admitted requests at their cap need 512 blocks of 10: the pool does not hold them
-    assert r.concurrency["admitted_at_cap_blocks"] == 512 and not r.concurrency["admitted_at_cap_fits"]
+    # the 2 admitted requests at their own caps: the exact reservation, 7 blocks of 10: they fit
+    assert r.concurrency["admitted_at_cap_blocks"] == 7 and r.concurrency["admitted_at_cap_fits"]
+    assert r.concurrency["admitted_at_cap_basis"].startswith("exact")
+    # ...but one request at max_model_len (256 blocks) does not: kv_pool breaks the budget
     assert r.verdict["closes"] is False and r.verdict["breaking_term"] == "kv_pool"
+    assert r.verdict["failures"] == [{"term": "kv_pool", "why": "cannot hold one request at its cap (256 blocks > capacity 10)"}]
+    # without the exact reservation, max_model_len each: 2 x 256 = 512 blocks
+    samples = parse_live(GOLDEN.read_bytes(), "golden")
+    samples["kvledger_kv_reserved_blocks"] = []
+    r = plan_from_live(samples, "golden", "sim")
+    assert r.concurrency["admitted_at_cap_blocks"] == 512 and not r.concurrency["admitted_at_cap_fits"]
+    assert "cannot hold the 2 admitted requests at their cap (512 blocks > capacity 10); under dynamic admission" in r.verdict["message"]
     with pytest.raises(PlanError, match="pick one with --engine"):
         plan_from_live(parse_live(GOLDEN.read_bytes(), "golden"), "golden")
 
@@ -515,7 +529,7 @@ def test_from_url_reads_metrics_and_the_json_view_alike(live_server: str, capsys
     docs = []
     for path in ("/metrics", "/api/v1/accounts"):
         code, out, err = run(capsys, "--from", live_server + path, "--engine", "sim", "--json", "--check")
-        assert code == 1 and "check failed: kv_pool: cannot hold the 2 admitted requests" in err
+        assert code == 1 and "check failed: kv_pool: cannot hold one request at its cap" in err
         doc = json.loads(out)
         docs.append({k: v for k, v in doc.items() if k != "source"})
     assert docs[0] == docs[1]
@@ -544,3 +558,41 @@ def test_configured_kv_pool_is_checked_against_the_device(tmp_path: Path, capsys
 def test_every_gpu_of_the_table_cites_its_vendor() -> None:
     for name, (size, cite) in GPUS.items():
         assert size % GIB == 0 and "datasheet" in cite, name
+
+
+# ---------------------------------------------------------------- docs/plan.md runs for real
+
+DOCS = ROOT / "docs" / "plan.md"
+_BLOCK = re.compile(r"```console\n\$ (kvledger plan (?:[^\n]*\\\n)*[^\n]*)\n(.*?)```", re.DOTALL)
+
+
+def _run_example(command: str) -> str:
+    argv = shlex.split(command.replace("\\\n", " "))[1:]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    text = out.getvalue() + err.getvalue()
+    if code:
+        text += f"# exit status {code}\n"
+    return text
+
+
+def test_fixture_configs_are_the_published_values() -> None:
+    for name, cfg in [("llama-3.1-8b", LLAMA_31_8B), ("llama-3.1-70b", LLAMA_31_70B), ("deepseek-v3", DEEPSEEK_V3),
+                      ("mistral-7b-v0.1", MISTRAL_7B_V01), ("gemma-2-9b", GEMMA_2_9B)]:
+        assert json.loads((ROOT / "tests" / "fixtures" / "plan" / f"{name}-config.json").read_text()) == cfg, name
+
+
+def test_docs_examples_are_the_commands_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``$ kvledger plan ...`` block of docs/plan.md shows what the command prints
+    (KVLEDGER_REGEN=1 rewrites them) and the GPU table is the one in plan.py."""
+    monkeypatch.chdir(ROOT)
+    text = DOCS.read_text()
+    table = "\n".join(f"| `{name}` | {size // GIB} GiB | {cite} |" for name, (size, cite) in GPUS.items())
+    fresh = re.sub(r"(\| `--gpu` \| memory \| vendor figure \|\n\|---\|---\|---\|\n)(?:GPU_TABLE|(?:\|[^\n]*\n?)+)",
+                   lambda m: m.group(1) + table + "\n", text, count=1)
+    fresh = _BLOCK.sub(lambda m: f"```console\n$ {m.group(1)}\n{_run_example(m.group(1))}```", fresh)
+    assert len(_BLOCK.findall(fresh)) >= 6
+    if os.environ.get("KVLEDGER_REGEN"):
+        DOCS.write_text(fresh)
+    assert fresh == text, "docs/plan.md is stale: KVLEDGER_REGEN=1 pytest tests/test_plan.py -k docs"

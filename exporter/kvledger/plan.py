@@ -223,8 +223,8 @@ def _verdict(
             failures.append(("kv_pool", "below one request at its cap"))
         else:
             closes = True
-            if kv_bytes is not None and "kv_pool" in by and total - sum(by.values()) > 0:
-                message = f"slack {_gib(total - sum(by.values()))} per GPU beside the configured KV pool"
+            if (kv_bytes is not None and "kv_pool" in by and total - sum(by.values()) > 0) or min_kv_bytes == 0:
+                message = f"slack {_gib(total - sum(by.values()))} per GPU beside the KV pool"
             else:
                 message = (f"the KV pool left ({_gib(kv)} per GPU) holds one request at its cap "
                            f"({_gib(min_kv_bytes)}) and more")
@@ -406,7 +406,7 @@ def plan_from_model(inp: ModelPlanInput) -> Report:
             extra.append(("kv_pool", f"admits {worst} requests at their cap under reserve-cap, "
                                      f"below --min-concurrency {inp.min_concurrency}"))
     verdict = _verdict(total, terms, unknown_for_kv, min_kv, kv_bytes, extra)
-    notes = [f"the KV cache holds {shape.dtype_bytes} byte(s) per element"]
+    notes = [f"KV cache elements of {shape.dtype_bytes} byte(s) (--kv-dtype {inp.kv_dtype})"]
     if weights is not None:
         notes.append(f"weights counted from {Path(inp.config).name}: {weights.params:,} parameters, {weights.dtype}"
                      + (f", {weights.quantization}" if weights.quantization else ""))
@@ -543,7 +543,14 @@ def plan_from_live(
                    if lab.get("state") in ("running", "preempted"))
     admission = next((lab.get("admission") for lab, _v in _pick(samples, "kvledger_policy_info", engine=engine)), None)
     reserved = {lab.get("basis", "exact"): v for lab, v in _pick(samples, "kvledger_kv_reserved_blocks", engine=engine)}
-    blocks_for_admitted = admitted * per_request_total
+    # every admitted request at its cap: the exact reservation (each request's own cap, the
+    # declared sharing rule) where the daemon knows it, else its upper bound, else L each
+    if "exact" in reserved:
+        blocks_for_admitted, at_cap_basis = int(reserved["exact"]), "exact: the requests' own caps"
+    elif "upper_bound" in reserved:
+        blocks_for_admitted, at_cap_basis = int(reserved["upper_bound"]), "upper bound: max_model_len each"
+    else:
+        blocks_for_admitted, at_cap_basis = admitted * per_request_total, "upper bound: max_model_len each"
 
     # budget terms of this engine's GPUs, as the daemon exports them
     budget = _pick(samples, "kvledger_gpu_budget_bytes", engine=engine)
@@ -556,13 +563,22 @@ def plan_from_live(
             for lab, v in budget:
                 if lab.get("gpu") == gpu and lab.get("category") == category:
                     terms.append(Term(category, int(v), lab.get("source", "measured")))
+        others = [(lab, v) for lab, v in samples.get("kvledger_gpu_budget_bytes", [])
+                  if lab.get("gpu") == gpu and lab.get("engine") != engine]
+        if others:
+            sources = {lab.get("source", "measured") for lab, _v in others}
+            source = "estimate" if "estimate" in sources else ("measured" if sources == {"measured"} else "configured")
+            terms.insert(-1 if terms and terms[-1].category == "kv_pool" else len(terms),
+                         Term("other_engines", int(sum(v for _l, v in others)), source))
         t = _one(samples, "kvledger_gpu_memory_total_bytes", gpu=gpu)
         total = None if t is None else int(t)
-    unknown = [c for c in PLAN_TERM_ORDER if c not in {t.category for t in terms}]
+    unknown = [c for c in PLAN_TERM_ORDER if c != "other_engines" and c not in {t.category for t in terms}]
     extra: list[tuple[str, str]] = []
     if blocks_for_admitted > usable_total:
+        meaning = {"dynamic": "; under dynamic admission an overcommit: the engine preempts as they grow",
+                   "reserve-cap": "; under reserve-cap a broken promise"}.get(admission or "", "")
         extra.append(("kv_pool", f"cannot hold the {admitted} admitted requests at their cap "
-                                 f"({blocks_for_admitted} blocks > capacity {usable_total})"))
+                                 f"({blocks_for_admitted:,} blocks > capacity {usable_total:,}){meaning}"))
     worst = worst_case_concurrency(usable_total, per_request_total, None if max_seqs is None else int(max_seqs))
     if min_concurrency is not None and worst < min_concurrency:
         extra.append(("kv_pool", f"admits {worst} requests at their cap under reserve-cap, below --min-concurrency {min_concurrency}"))
@@ -578,6 +594,7 @@ def plan_from_live(
         "dynamic": None,
         "admitted_now": admitted,
         "admitted_at_cap_blocks": blocks_for_admitted,
+        "admitted_at_cap_basis": at_cap_basis,
         "admitted_at_cap_fits": blocks_for_admitted <= usable_total,
         "reserved_blocks_now": reserved or None,
     }
@@ -648,7 +665,8 @@ def render_table(r: Report) -> str:
         add(f"  {p.id:<16} {_d(p.layers):>6} {_d(p.sliding_window):>7} {_d(p.layer_groups):>6} {_d(p.bytes_per_token):>10} "
             f"{_d(p.bytes_per_token_per_gpu):>12} {_d(p.block_bytes):>12} {_d(p.blocks_per_request_at_cap):>13}")
     add("")
-    add("budget per GPU (weights + workspace + runtime_buffers + reserve + kv_pool <= total):")
+    others = " + other_engines" if any(t.category == "other_engines" for t in r.terms) else ""
+    add(f"budget per GPU (weights + workspace + runtime_buffers + reserve{others} + kv_pool <= total):")
     for t in r.terms:
         add(f"  {t.category:<16} {_size(t.bytes):>32}  [{t.source}]")
     for u in r.unknown_terms:
@@ -660,7 +678,8 @@ def render_table(r: Report) -> str:
     basis = kv.get("basis")
     tag = " (estimate: rests on an estimated term, not a hard cap)" if basis == "estimate" else ""
     if kv.get("pool_bytes_per_gpu") is not None:
-        add(f"KV pool left: {_size(kv['pool_bytes_per_gpu'])} per GPU [{kv.get('pool_source')}]{tag}")
+        label = "KV pool left" if kv.get("pool_source") == "derived" else "KV pool"
+        add(f"{label}: {_size(kv['pool_bytes_per_gpu'])} per GPU [{kv.get('pool_source')}]{tag}")
     if kv.get("num_blocks") is not None:
         add(f"  blocks: {kv['num_blocks']:,} of {_size(kv['block_bytes_per_gpu'])} per GPU "
             f"({kv['layer_groups']} layer group(s) of {kv['layer_group_size']} layers), "
@@ -676,8 +695,8 @@ def render_table(r: Report) -> str:
         add(f"worst-case concurrency (reserve-cap, every request at its cap): {rc['requests']:,} requests "
             f"(limited by {rc['limited_by']})" + (" [estimate]" if rc["basis"] == "estimate" else ""))
     if c.get("admitted_now") is not None:
-        add(f"admitted now: {c['admitted_now']} requests; at their cap they need {c['admitted_at_cap_blocks']:,} blocks: "
-            + ("fits" if c["admitted_at_cap_fits"] else "DOES NOT FIT"))
+        add(f"admitted now: {c['admitted_now']} requests; at their cap they need {c['admitted_at_cap_blocks']:,} blocks "
+            f"({c['admitted_at_cap_basis']}): " + ("fits" if c["admitted_at_cap_fits"] else "DOES NOT FIT"))
     if c.get("dynamic") is not None:
         d = c["dynamic"]
         add(f"expected concurrency (dynamic, lengths {d['lengths']}): {d['requests']:,} requests "

@@ -851,7 +851,8 @@ def compute_accounts(snapshot: Snapshot) -> Accounts:
 #: blocks of the pool the engine never hands out (vLLM's null block 0)
 NULL_BLOCKS = 1
 #: the order in which budget terms are added when naming the one that breaks the budget
-PLAN_TERM_ORDER = ("weights", "workspace", "runtime_buffers", "reserve", "kv_pool")
+#: (other_engines: every term of the other engines sharing the GPU)
+PLAN_TERM_ORDER = ("weights", "workspace", "runtime_buffers", "reserve", "other_engines", "kv_pool")
 
 
 def layer_group_size(layers_per_type: Sequence[int]) -> int:
