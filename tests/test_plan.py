@@ -584,9 +584,16 @@ def test_fixture_configs_are_the_published_values() -> None:
 
 
 def test_docs_examples_are_the_commands_output(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every ``$ kvledger plan ...`` block of docs/plan.md shows what the command prints
+    """Every ``$ kvledger plan ...`` block of README.md and docs/plan.md shows what the command prints
     (KVLEDGER_REGEN=1 rewrites them) and the GPU table is the one in plan.py."""
     monkeypatch.chdir(ROOT)
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    fresh = _BLOCK.sub(lambda m: f"```console\n$ {m.group(1)}\n{_run_example(m.group(1))}```", text)
+    assert len(_BLOCK.findall(fresh)) == 1
+    if os.environ.get("KVLEDGER_REGEN"):
+        readme.write_text(fresh)
+    assert fresh == text, "README.md's plan example is stale: KVLEDGER_REGEN=1 pytest tests/test_plan.py -k docs"
     text = DOCS.read_text()
     table = "\n".join(f"| `{name}` | {size // GIB} GiB | {cite} |" for name, (size, cite) in GPUS.items())
     fresh = re.sub(r"(\| `--gpu` \| memory \| vendor figure \|\n\|---\|---\|---\|\n)(?:GPU_TABLE|(?:\|[^\n]*\n?)+)",

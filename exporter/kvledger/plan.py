@@ -397,8 +397,10 @@ def plan_from_model(inp: ModelPlanInput) -> Report:
                                                     speculative_slots=inp.speculative_tokens)
             except ValueError as exc:
                 raise PlanError(f"length distribution: {exc}") from None
+            expected = expected_concurrency(usable, mean, inp.max_num_seqs)
             concurrency["dynamic"] = {
-                "requests": expected_concurrency(usable, mean, inp.max_num_seqs),
+                "requests": expected,
+                "limited_by": "max_num_seqs" if expected == inp.max_num_seqs else "kv_pool",
                 "mean_blocks_per_request": round(mean, 3), "lengths": inp.lengths_spec,
                 "entries": sum(c for _p, _o, c in inp.lengths), "basis": "estimate",
             }
@@ -603,8 +605,10 @@ def plan_from_live(
             mean = time_weighted_request_blocks([GroupShape(None, 1)], lengths, b0, L)
         except ValueError as exc:
             raise PlanError(f"length distribution: {exc}") from None
+        expected = expected_concurrency(usable_total, mean, None if max_seqs is None else int(max_seqs))
         concurrency["dynamic"] = {
-            "requests": expected_concurrency(usable_total, mean, None if max_seqs is None else int(max_seqs)),
+            "requests": expected,
+            "limited_by": "max_num_seqs" if max_seqs is not None and expected == int(max_seqs) else "kv_pool",
             "mean_blocks_per_request": round(mean, 3), "lengths": lengths_spec,
             "entries": sum(c for _p, _o, c in lengths), "basis": "estimate",
         }
@@ -700,7 +704,8 @@ def render_table(r: Report) -> str:
     if c.get("dynamic") is not None:
         d = c["dynamic"]
         add(f"expected concurrency (dynamic, lengths {d['lengths']}): {d['requests']:,} requests "
-            f"(mean {d['mean_blocks_per_request']} blocks held per request) [estimate, not a cap]")
+            f"(limited by {d['limited_by']}; mean {d['mean_blocks_per_request']} blocks held per request) "
+            "[estimate, not a cap]")
     elif r.origin == "model":
         add("expected concurrency (dynamic): give --length PROMPT:OUTPUT or --lengths-file FILE")
     add("")
