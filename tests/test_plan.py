@@ -210,6 +210,29 @@ def test_weights_deepseek_v3_moe_mla_fp8() -> None:
     assert tp8["experts"].bytes_per_gpu == -(-parts["experts"].bytes // 8)
 
 
+def test_argument_ranges(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = write(tmp_path, "llama8b", LLAMA_31_8B)
+    for argv in (("-n", "0"), ("--max-model-len", str(2**30 + 1)), ("--tp", "x")):
+        with pytest.raises(SystemExit) as exc:
+            main(["plan", cfg, "--gpu", "L4", *argv])
+        assert exc.value.code == 2
+        assert argv[0] in capsys.readouterr().err
+    code, _out, err = run(capsys, cfg, "--gpu", "L4", "--gpu-memory-utilization", "1.5", *TERMS[:4])
+    assert code == 2 and "--gpu-memory-utilization 1.5" in err
+
+
+def test_multimodal_weights_are_not_guessed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # a vision tower is not counted: an error, or the size given
+    cfg = write(tmp_path, "vlm", {"text_config": LLAMA_31_8B, "vision_config": {"hidden_size": 1152}, "torch_dtype": "bfloat16"})
+    with pytest.raises(ModelConfigError, match="vision_config"):
+        count_weights(json.loads(Path(cfg).read_text()))
+    code, out, _ = run(capsys, cfg, "--gpu", "H100-80GB", "--max-model-len", "8192", "--weights", "17GiB:measured", *TERMS, "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["weights"] is None
+    assert doc["budget"]["terms"][0] == {"category": "weights", "bytes": 17 * GIB, "source": "measured"}
+    assert doc["pools"][0]["bytes_per_token"] == 131_072  # the text model's KV
+
+
 def test_weights_errors_name_the_key() -> None:
     with pytest.raises(ModelConfigError, match="'vocab_size'"):
         count_weights({k: v for k, v in LLAMA_31_8B.items() if k != "vocab_size"})
@@ -604,3 +627,15 @@ def test_docs_examples_are_the_commands_output(monkeypatch: pytest.MonkeyPatch) 
         DOCS.write_text(fresh)
     stale += [] if fresh == text else ["docs/plan.md"]
     assert not stale, f"{', '.join(stale)} stale: KVLEDGER_REGEN=1 pytest tests/test_plan.py -k docs"
+
+
+def test_a_failure_resting_on_an_estimate_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = write(tmp_path, "llama8b", LLAMA_31_8B)
+    # 14.96 GiB weights + a 70 GiB workspace estimate > 80 GiB: the estimate breaks it
+    code, out, _ = run(capsys, cfg, "--gpu", "H100-80GB", "--max-model-len", "8192", "--workspace", "70GiB:estimate",
+                       "--runtime-buffers", "1GiB:measured", "--reserve", "4GiB:configured", "--check")
+    assert code == 1 and "workspace breaks it; rests on estimates (workspace): without them it would close" in out
+    # weights alone beyond the device: a hard failure, whatever the estimates
+    code, out, _ = run(capsys, write(tmp_path, "llama70b", LLAMA_31_70B), "--gpu", "H100-80GB", "--workspace", "1GiB:estimate",
+                       "--runtime-buffers", "1GiB:measured", "--reserve", "4GiB:configured", "--check")
+    assert code == 1 and "weights breaks it" in out and "rests on estimates" not in out

@@ -345,6 +345,11 @@ def count_weights(cfg: Mapping[str, Any], tensor_parallel: int = 1, dtype: str =
     replicated; KV heads replicated when fewer than the ranks. Decoder layers only: a
     multi-token-prediction module (``num_nextn_predict_layers``) is not loaded for serving
     unless it drafts speculative tokens, and is not counted."""
+    if cfg.get("vision_config") is not None or cfg.get("audio_config") is not None:
+        raise ModelConfigError(
+            "model config has a vision_config or audio_config: those encoders' weights are not counted; "
+            "give the weights' size instead (--weights SIZE:SOURCE)"
+        )
     cfg = _text_config(cfg)
     model_type = str(cfg.get("model_type", ""))
     tp = tensor_parallel

@@ -15,6 +15,7 @@ from kvledger import __version__
 from kvledger.collector import Collector
 from kvledger.config import Config, ConfigError, load_config
 from kvledger.json_view import accounts_to_json
+from kvledger.limits import MAX_CONTEXTS, MAX_TOKENS
 from kvledger.policy import Accounts
 from kvledger.server import KvledgerHTTPServer
 from kvledger.sources.base import Source
@@ -318,24 +319,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _int_in(minimum: int, maximum: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [minimum, maximum]."""
+
+    def conv(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"expected an integer in {minimum}..{maximum}, got {text!r}")
+        return value
+
+    return conv
 
 
-def _nonnegative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
+_positive = _int_in(1, MAX_TOKENS)  # token counts and budgets (limits.MAX_TOKENS)
+_nonnegative = _int_in(0, MAX_TOKENS)
 
 
 PLAN_HELP = (
@@ -358,7 +358,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     pl.add_argument("--engine", help="with --from: the engine to plan (when the daemon watches several)")
     pl.add_argument("--gpu", metavar="NAME", help=f"a GPU of the table: {', '.join(GPUS)}")
     pl.add_argument("--gpu-memory", metavar="SIZE", help="device memory per GPU (e.g. 80GiB), instead of --gpu")
-    pl.add_argument("--tensor-parallel", "--tp", type=_positive, default=1, metavar="N")
+    pl.add_argument("--tensor-parallel", "--tp", type=_int_in(1, 1024), default=1, metavar="N")
     pl.add_argument("--kv-dtype", default="auto", help="auto (the model's dtype), bfloat16, float16, fp8 ...")
     pl.add_argument("--weights-dtype", default="auto", help="dtype of unquantized weights (auto: the config's)")
     pl.add_argument("--block-size", type=_positive, default=16, metavar="TOKENS")
@@ -367,8 +367,8 @@ def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     pl.add_argument("--max-num-batched-tokens", type=_positive, metavar="TOKENS",
                     help="per-iteration token budget (default 2048; give the engine's)")
     pl.add_argument("--speculative-tokens", type=_nonnegative, default=0, metavar="K")
-    pl.add_argument("-n", type=_positive, default=1, help="parallel samples per request")
-    pl.add_argument("--in-flight-batches", type=_positive, default=1, metavar="N",
+    pl.add_argument("-n", type=_int_in(1, MAX_CONTEXTS), default=1, help="parallel samples per request")
+    pl.add_argument("--in-flight-batches", type=_int_in(1, 64), default=1, metavar="N",
                     help="batches scheduled but not settled (2 with async scheduling, PP size with pipeline stages); "
                          "sliding windows hold N x max_num_batched_tokens more tokens")
     pl.add_argument("--weights", dest="weights_bytes", metavar="SIZE:SOURCE", help="the weights' size per GPU, "

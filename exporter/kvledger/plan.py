@@ -240,6 +240,13 @@ def _verdict(
             message = f"{why}; {term} breaks it"
     if closes and estimates:
         message += f"; rests on estimates ({', '.join(estimates)}): not a hard guarantee"
+    elif closes is False and estimates and total is not None and not extra_failures:
+        # a failure rests on the estimates when the other terms alone would close
+        derived = any(t.category == "kv_pool" and t.source == "derived" for t in terms)
+        hard = {c: b for c, b in by.items() if c not in estimates and not (derived and c == "kv_pool")}
+        pool = total - sum(hard.values()) if derived else by.get("kv_pool", 0)
+        if breaking_term(total, hard) is None and pool >= min_kv_bytes:
+            message += f"; rests on estimates ({', '.join(estimates)}): without them it would close"
     return {
         "closes": closes,
         "breaking_term": failures[0][0] if failures else None,
