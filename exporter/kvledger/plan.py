@@ -75,7 +75,8 @@ GPUS: dict[str, tuple[int, str]] = {
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 256
 
-#: where a plan's figure comes from, beyond the budget's own sources
+#: where a plan's figure comes from: the budget's own sources, "counted" (from the config's
+#: shapes: weights) and "derived" (the KV pool left)
 PLAN_SOURCES = (*TERM_SOURCES, "counted", "derived")
 
 
@@ -164,6 +165,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
+        assert all(t.source in PLAN_SOURCES for t in self.terms)
         return {
             "origin": self.origin,
             "source": self.source,
