@@ -278,7 +278,7 @@ def lab_response(target: str) -> Response:
 @dataclass(frozen=True)
 class LabSite:
     """What `kvledger lab --serve` answers: the lab page (at / and /lab), its assets, its
-    run document and /-/healthy."""
+    run document, /-/healthy and /-/ready."""
 
     def respond(self, request: Request) -> Response:
         if request.method not in ("GET", "HEAD"):
@@ -288,8 +288,8 @@ class LabSite:
             return page("lab.html")
         if path == "/lab/run.json":
             return lab_response(request.target)
-        if path == "/-/healthy":
-            return Response(200, b"kvledger lab is healthy.\n", (("Content-Type", TEXT),))
+        if path in ("/-/healthy", "/-/ready"):
+            return Response(200, b"kvledger lab is ready.\n", (("Content-Type", TEXT),))
         if path.startswith("/static/") and (response := static_response(path.removeprefix("/static/"))) is not None:
             return response
         return Response(404, b"not found\n", (("Content-Type", TEXT),))
