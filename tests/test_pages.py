@@ -306,3 +306,10 @@ def test_lab_command_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["lab", "--help"])
     assert "--serve" in capsys.readouterr().out
+
+
+def test_the_readme_shows_both_pages() -> None:
+    readme = (ROOT / "README.md").read_text()
+    for name in ("ledger-page.png", "lab-page.png"):
+        assert f"](docs/previews/{name})" in readme
+        assert (ROOT / "docs" / "previews" / name).stat().st_size > 10_000, f"{name}: run make previews"

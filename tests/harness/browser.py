@@ -58,7 +58,8 @@ def console_errors(driver: webdriver.Chrome) -> list[str]:
 
 
 def screenshot_full_page(driver: webdriver.Chrome, path: Path, width: int = 1280, max_height: int = 6000) -> None:
-    """Resize the window to the page's height and save a PNG of all of it."""
-    height = int(driver.execute_script("return document.documentElement.scrollHeight"))
-    driver.set_window_size(width, min(max_height, height + 20))
+    """Resize the window to the page's height (plus the window's own frame) and save a PNG of all of it."""
+    height, frame = driver.execute_script(
+        "return [document.documentElement.scrollHeight, window.outerHeight - window.innerHeight]")
+    driver.set_window_size(width, min(max_height, int(height) + int(frame)))
     driver.save_screenshot(str(path))
