@@ -142,6 +142,14 @@ def test_lab_page_fits_thrashes_and_plays_to_the_cap(driver: WebDriver, lab: Dae
     prefix = lab_run(4, 4, paused + 1)
     assert _counters(driver) == (paused + 1, prefix.hits, prefix.misses)
 
+    # the page's address may carry C and S (`kvledger lab --serve --capacity 3 --working-set 4` prints one)
+    driver.get(lab.url + "/?capacity=3&working_set=4")
+    WebDriverWait(driver, 30).until(lambda d: d.find_element(By.ID, "step").is_enabled(), "the run never loaded")
+    assert driver.find_element(By.ID, "capacity").get_attribute("value") == "3"
+    _step(driver, 4)
+    _wait_text(driver, "requests", "4")
+    assert _counters(driver) == (4, 0, 4) and _slots(driver) == ["3", "1", "2"]  # 3 took the slot of 0, the LRU
+
     # a value the lab cannot run is refused on the page, not sent
     _set(driver, "capacity", 0)
     driver.find_element(By.ID, "reset").click()
@@ -159,6 +167,7 @@ def test_lab_served_alone_has_no_daemon_routes(lab: Daemon) -> None:
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(lab.url + "/metrics", timeout=10)
     assert err.value.code == 404
+    assert f"the cache lab on {lab.url}/ (Ctrl-C stops)" in lab.process.log_tail()
 
 
 # ---------------------------------------------------------------- the ledger page
