@@ -30,6 +30,7 @@ from kvledger.web_runtime import WebRuntime
 
 log = logging.getLogger("kvledger.server")
 
+
 class Responder(Protocol):
     """What answers the requests of a server (called on a worker thread)."""
 
