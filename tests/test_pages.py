@@ -132,7 +132,8 @@ def test_the_lab_document_is_run_labs_run(capacity: int, working_set: int) -> No
     assert steps["evicted"] == [s.evicted for s in result.steps]
     for n in (1, 16, 100, MAX_REQUESTS):  # the running totals are those of a run of n requests
         prefix = run_lab(capacity, working_set, n)
-        assert (steps["hits"][n - 1], steps["misses"][n - 1]) == (prefix.hits, prefix.misses)
+        assert (steps["hits"][n - 1], steps["misses"][n - 1], steps["evictions"][n - 1]) == (
+            prefix.hits, prefix.misses, prefix.evictions)
     assert doc["totals"] == {"hits": result.hits, "misses": result.misses, "evictions": result.evictions}
     assert doc["cache"] == list(result.steps[-1].cache)
 

@@ -119,32 +119,57 @@ def _values(name: str, accounts: Accounts, key: tuple[str, ...]) -> dict[Labels,
     return {tuple(labels[k] for k in key): value for labels, value in _samples(name, accounts)}
 
 
-def _pool_document(accounts: Accounts, engine: str, pool: str, cache_: dict[str, Any]) -> dict[str, Any]:
-    ep = (engine, pool)
-    capacity_bytes = cache_["capacity_bytes"].get(ep)
-    doc: dict[str, Any] = {
-        "pool": pool,
-        "capacity_blocks": cache_["capacity_blocks"].get(ep),
-        "block_size_tokens": cache_["block_size"].get(ep),
-    }
-    if capacity_bytes is not None:
-        doc["unit"] = "bytes"
-        doc["capacity"] = capacity_bytes
-        for quantity, family in BYTES.items():
-            if (m := cache_[family].get(ep)) is not None:
-                doc[quantity] = m
-        for kind in ("quota", "physical"):
-            if (m := cache_["headroom"].get((engine, pool, kind))) is not None:
-                doc[f"{kind}_headroom"] = m
-    else:  # no bytes per block: the bar is drawn in blocks, from the exact block partition
-        doc["unit"] = "blocks"
-        doc["capacity"] = doc["capacity_blocks"]
-        for state in ("in_use", "reclaimable", "free"):
-            if (v := cache_["blocks"].get((engine, pool, state))) is not None:
-                doc[state] = {"exact": v}
-        if (m := cache_["kvledger_kv_reserved_blocks"].get(ep)) is not None:
-            doc["reserved"] = m
-    return doc
+@dataclass(frozen=True)
+class _PoolSamples:
+    """The pool families of one Accounts, keyed by (engine, pool[, state or kind])."""
+
+    capacity_bytes: dict[Labels, float]
+    capacity_blocks: dict[Labels, float]
+    block_size: dict[Labels, float]
+    blocks: dict[Labels, float]  # (engine, pool, state), exact states only
+    headroom: dict[Labels, Quantity]  # (engine, pool, kind)
+    reserved_blocks: dict[Labels, Quantity]
+    bytes: dict[str, dict[Labels, Quantity]]  # quantity of BYTES -> (engine, pool) -> quantity
+
+    @staticmethod
+    def of(accounts: Accounts) -> _PoolSamples:
+        ep = ("engine", "pool")
+        return _PoolSamples(
+            capacity_bytes=_values("kvledger_kv_capacity_bytes", accounts, ep),
+            capacity_blocks=_values("kvledger_kv_capacity_blocks", accounts, ep),
+            block_size=_values("kvledger_kv_block_size_tokens", accounts, ep),
+            blocks=_values("kvledger_kv_blocks", accounts, (*ep, "state")),
+            headroom=_measures("kvledger_kv_headroom_bytes", accounts, (*ep, "kind")),
+            reserved_blocks=_measures("kvledger_kv_reserved_blocks", accounts, ep),
+            bytes={quantity: _measures(family, accounts, ep) for quantity, family in BYTES.items()},
+        )
+
+    def pool(self, engine: str, pool: str) -> dict[str, Any]:
+        ep = (engine, pool)
+        doc: dict[str, Any] = {
+            "pool": pool,
+            "capacity_blocks": self.capacity_blocks.get(ep),
+            "block_size_tokens": self.block_size.get(ep),
+        }
+        capacity_bytes = self.capacity_bytes.get(ep)
+        if capacity_bytes is not None:
+            doc["unit"] = "bytes"
+            doc["capacity"] = capacity_bytes
+            for quantity, by_pool in self.bytes.items():
+                if (m := by_pool.get(ep)) is not None:
+                    doc[quantity] = m
+            for kind in ("quota", "physical"):
+                if (m := self.headroom.get((*ep, kind))) is not None:
+                    doc[f"{kind}_headroom"] = m
+        else:  # no bytes per block: the bar is drawn in blocks, from the exact block partition
+            doc["unit"] = "blocks"
+            doc["capacity"] = doc["capacity_blocks"]
+            for state in ("in_use", "reclaimable", "free"):
+                if (v := self.blocks.get((*ep, state))) is not None:
+                    doc[state] = {"exact": v}
+            if (m := self.reserved_blocks.get(ep)) is not None:
+                doc["reserved"] = m
+        return doc
 
 
 def ledger_document(accounts: Accounts | None, json_view: bool,
@@ -159,16 +184,7 @@ def ledger_document(accounts: Accounts | None, json_view: bool,
         return doc
     doc["taken_at"] = accounts.taken_at
     doc["sharing"] = accounts.sharing
-    cache_: dict[str, Any] = {
-        "capacity_bytes": _values("kvledger_kv_capacity_bytes", accounts, ("engine", "pool")),
-        "capacity_blocks": _values("kvledger_kv_capacity_blocks", accounts, ("engine", "pool")),
-        "block_size": _values("kvledger_kv_block_size_tokens", accounts, ("engine", "pool")),
-        "blocks": _values("kvledger_kv_blocks", accounts, ("engine", "pool", "state")),
-        "headroom": _measures("kvledger_kv_headroom_bytes", accounts, ("engine", "pool", "kind")),
-        "kvledger_kv_reserved_blocks": _measures("kvledger_kv_reserved_blocks", accounts, ("engine", "pool")),
-    }
-    for family in BYTES.values():
-        cache_[family] = _measures(family, accounts, ("engine", "pool"))
+    pools = _PoolSamples.of(accounts)
     policy = {labels["engine"]: labels for labels, _ in _samples("kvledger_policy_info", accounts)}
     info = {labels["engine"]: labels for labels, _ in _samples("kvledger_engine_info", accounts)}
     requests: dict[str, dict[str, float]] = {}
@@ -200,7 +216,7 @@ def ledger_document(accounts: Accounts | None, json_view: bool,
             "policy": {k: p[k] for k in ("sharing", "admission", "overflow", "tenant_rule") if k in p},
             "requests": requests.get(e.name, {}),
             "sources": sources.get(e.name, []),
-            "pools": [_pool_document(accounts, e.name, pool.pool, cache_) for pool in e.pools],
+            "pools": [pools.pool(e.name, pool.pool) for pool in e.pools],
         }
         if json_view:
             engine["tenants"] = tenants.get(e.name, [])
@@ -238,7 +254,7 @@ def _int_param(query: dict[str, list[str]], name: str, low: int, high: int, defa
 def lab_document(query_string: str) -> dict[str, Any]:
     """``capacity=C&working_set=S[&requests=N]`` → the run of ``run_lab(C, S, N)`` (N defaults
     to the cap), columnar: per step the identifier requested, hit or miss, the identifier
-    evicted (null when none) and the running totals of hits and misses after it."""
+    evicted (null when none) and the running totals of hits, misses and evictions after it."""
     query = parse_qs(query_string, keep_blank_values=True)
     capacity = _int_param(query, "capacity", 1, LAB_MAX_CAPACITY)
     working_set = _int_param(query, "working_set", 1, LAB_MAX_WORKING_SET)
@@ -249,20 +265,23 @@ def lab_document(query_string: str) -> dict[str, Any]:
     evicted: list[int | None] = []
     hits: list[int] = []
     misses: list[int] = []
-    h = 0
+    evictions: list[int] = []
+    h = e = 0
     for step in result.steps:
         h += step.hit
+        e += step.evicted is not None
         keys.append(step.key)
         hit.append(step.hit)
         evicted.append(step.evicted)
         hits.append(h)
         misses.append(step.index - h)
+        evictions.append(e)
     return {
         "capacity": capacity,
         "working_set": working_set,
         "requests": n,
         "max_requests": MAX_REQUESTS,
-        "steps": {"key": keys, "hit": hit, "evicted": evicted, "hits": hits, "misses": misses},
+        "steps": {"key": keys, "hit": hit, "evicted": evicted, "hits": hits, "misses": misses, "evictions": evictions},
         "totals": {"hits": result.hits, "misses": result.misses, "evictions": result.evictions},
         "cache": list(result.steps[-1].cache),  # after the last step, least recently used first
     }

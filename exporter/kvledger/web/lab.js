@@ -164,9 +164,7 @@
     $("requests").textContent = String(n);
     $("hits").textContent = String(n && s ? s.hits[n - 1] : 0);
     $("misses").textContent = String(n && s ? s.misses[n - 1] : 0);
-    let evictions = 0;
-    if (s) for (let i = 0; i < n; i++) if (s.evicted[i] !== null) evictions += 1;
-    $("evictions").textContent = String(evictions);
+    $("evictions").textContent = String(n && s ? s.evictions[n - 1] : 0);
     const full = filled === slots.length && slots.length > 0;
     let victim = -1;
     if (full) {
