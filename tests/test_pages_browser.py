@@ -26,8 +26,12 @@ from test_pages import Samples, by_basis, metrics_samples
 
 from harness.browser import chromium, console_errors
 from harness.kvledger_daemon import Daemon, run_demo, run_lab
+from kvledger.collector import Collector
+from kvledger.facts import EngineFacts, PoolFacts, TenantQuota
 from kvledger.lab import MAX_REQUESTS
 from kvledger.lab import run_lab as lab_run
+from kvledger.server import KvledgerHTTPServer
+from kvledger.sources.base import Contribution, EngineContribution, Source
 
 pytestmark = pytest.mark.e2e
 
@@ -388,4 +392,47 @@ def test_ledger_page_keeps_the_links_and_leads_to_the_lab(driver: WebDriver, dem
     _step(driver, 16)
     _wait_text(driver, "requests", "16")
     assert _counters(driver) == (16, 12, 4)
+    assert console_errors(driver) == []
+
+
+HOSTILE = '<img src=x onerror="document.title=1">'
+
+
+class Hostile(Source):
+    """An engine whose pool id (engine data) and tenant name carry markup."""
+
+    engine = "eng"
+    kind = "ledger"
+
+    def poll(self) -> Contribution:
+        pool = PoolFacts(id=HOSTILE, block_size=16, num_blocks=10, block_bytes=2**20, in_use=3, reclaimable=2, free=5)
+        return EngineContribution(EngineFacts(name="eng", kind="ledger", source="ledger", pools=[pool], requests=[],
+                                              tenants=[TenantQuota(HOSTILE, 2**20)]))
+
+
+def _page_of(driver: WebDriver, json_view: bool, sources: list[Source]) -> dict[str, Any]:
+    collector = Collector(sources, base_engines=[EngineFacts(name=s.engine, kind="ledger", source="ledger") for s in sources])
+    collector.poll_once()
+    server = KvledgerHTTPServer("127.0.0.1:0", collector, json_view=json_view)
+    server.start()
+    try:
+        driver.get(server.url + "/")
+        WebDriverWait(driver, 30).until(lambda d: d.find_element(By.ID, "ledger").get_attribute("data-taken-at"))
+        page: dict[str, Any] = driver.execute_script(
+            "return {text: document.body.innerText, images: document.querySelectorAll('img').length,"
+            " title: document.title, segments: [...document.querySelectorAll('.seg')].map((s) => s.dataset.segment)}")
+        return page
+    finally:
+        server.stop()
+        collector.stop()
+
+
+def test_ledger_page_writes_names_as_text_and_tenants_only_with_the_json_view(driver: WebDriver) -> None:
+    shown = _page_of(driver, True, [Hostile()])
+    assert f"pool {HOSTILE}" in shown["text"] and HOSTILE in shown["text"].split("quota", 1)[1]  # the tenant row
+    assert shown["images"] == 0 and shown["title"] == "kvledger"  # markup from the engine stays text
+    assert shown["segments"] == ["in_use", "reclaimable", "free"]
+    hidden = _page_of(driver, False, [Hostile()])
+    assert HOSTILE not in hidden["text"].replace(f"pool {HOSTILE}", "")  # only the pool id, never the tenant
+    assert "Tenants are not listed: the JSON view is off" in hidden["text"]
     assert console_errors(driver) == []
