@@ -3,8 +3,9 @@
     .venv/bin/python bench/bench_vllm_integration.py [--pairs 2] [--requests 16] [--poll 1.0]
 
 Needs the real-engine environment (tests/vllm_real/setup_env.sh). For each pair it starts
-the tiny-model server twice, with the integration off and on (order alternating), and runs
-the same workload on each: ``--rounds`` waves of ``--requests`` concurrent completions (a
+the tiny-model server once per mode (``off``; ``ledger``: the integration on; ``ledger+mw``:
+also the optional ``TenantHeader`` middleware, which vLLM loads through ``--middleware``),
+order rotating, and runs the same workload on each: ``--rounds`` waves of ``--requests`` concurrent completions (a
 shared 128-token prefix, a distinct 32-token suffix, ``--max-tokens`` generated tokens,
 EOS ignored: every running request's tokens move every step, requests arrive and finish).
 While the integration is on, the ledger socket is read every ``--poll`` seconds, as a
@@ -28,7 +29,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import tests.vllm_real.server as server_module  # noqa: E402
 from tests.vllm_real.server import (  # noqa: E402
+    LEDGER_FLAGS,
     VllmServer,
     complete,
     ensure_vllm_env,
@@ -64,7 +67,12 @@ def workload(server: VllmServer, rounds: int, requests: int, max_tokens: int) ->
     return seconds, steps(server) - steps_before
 
 
-def run_one(model: Path, ledger: bool, args: argparse.Namespace) -> dict[str, float]:
+MODES = ("off", "ledger", "ledger+mw")
+
+
+def run_one(model: Path, mode: str, args: argparse.Namespace) -> dict[str, float]:
+    ledger = mode != "off"
+    server_module.LEDGER_FLAGS = LEDGER_FLAGS if mode == "ledger+mw" else ()
     server = VllmServer(model, free_tcp_port(), free_tcp_port(), free_tcp_port(), ledger=ledger)
     stop = threading.Event()
     reads = [0]
@@ -105,26 +113,29 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--poll", type=float, default=1.0)
+    parser.add_argument("--modes", default=",".join(MODES), type=lambda v: v.split(","))
     args = parser.parse_args()
     ensure_vllm_env()
     model = make_tiny_model(Path(tempfile.mkdtemp(prefix="kvledger-bench-model-")))
-    off: list[dict[str, float]] = []
-    on: list[dict[str, float]] = []
+    results: dict[str, list[dict[str, float]]] = {mode: [] for mode in args.modes}
     for pair in range(args.pairs):
-        order = (False, True) if pair % 2 == 0 else (True, False)
-        for ledger in order:
-            result = run_one(model, ledger, args)
-            (on if ledger else off).append(result)
-            print(f"pair {pair + 1} ledger={'on ' if ledger else 'off'}: {result}", flush=True)
-    off_ms = statistics.median(r["step_ms"] for r in off)
-    on_ms = statistics.median(r["step_ms"] for r in on)
-    share = statistics.median(r["publish_seconds"] / r["seconds"] for r in on)
+        order = args.modes[pair % len(args.modes):] + args.modes[:pair % len(args.modes)]
+        for mode in order:
+            result = run_one(model, mode, args)
+            results[mode].append(result)
+            print(f"round {pair + 1} {mode}: {result}", flush=True)
+    base = statistics.median(r["step_ms"] for r in results["off"]) if "off" in results else None
     print()
-    print("| workload | step time off (median) | step time on (median) | on / off | publication time / wall time |")
+    print(f"workload: {args.rounds} x {args.requests} requests, {args.max_tokens} tokens, ledger read every {args.poll:g} s")
+    print()
+    print("| mode | step time (median) | vs off | publication time / wall time | step times |")
     print("|---|---|---|---|---|")
-    print(f"| {args.rounds} x {args.requests} requests, {args.max_tokens} tokens, ledger read every {args.poll:g} s "
-          f"| {off_ms:.2f} ms | {on_ms:.2f} ms | {on_ms / off_ms:.3f} | {100 * share:.3f} % |")
-    print(f"step times off: {[round(r['step_ms'], 2) for r in off]}; on: {[round(r['step_ms'], 2) for r in on]}")
+    for mode, runs in results.items():
+        ms = statistics.median(r["step_ms"] for r in runs)
+        ratio = f"{ms / base:.3f}" if base else "-"
+        share = (f"{100 * statistics.median(r['publish_seconds'] / r['seconds'] for r in runs):.3f} %"
+                 if mode != "off" else "-")
+        print(f"| {mode} | {ms:.2f} ms | {ratio} | {share} | {[round(r['step_ms'], 2) for r in runs]} |")
 
 
 if __name__ == "__main__":
