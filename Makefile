@@ -20,7 +20,8 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/kvledger demo --listen $(LISTEN)
 
-# Debian packages the tests drive for real: Prometheus (promtool), Alertmanager (amtool), gcc, openssl (test certificates).
+# Debian packages the tests drive for real: Prometheus (promtool), Alertmanager (amtool), gcc, openssl (test certificates),
+# Chromium and its WebDriver (the pages' browser tests and previews).
 system-deps:
 	@missing=""; \
 	command -v prometheus   >/dev/null || missing="$$missing prometheus"; \
@@ -29,6 +30,8 @@ system-deps:
 	command -v amtool       >/dev/null || missing="$$missing prometheus-alertmanager"; \
 	command -v gcc          >/dev/null || missing="$$missing gcc"; \
 	command -v openssl      >/dev/null || missing="$$missing openssl"; \
+	command -v chromium     >/dev/null || missing="$$missing chromium"; \
+	command -v chromedriver >/dev/null || missing="$$missing chromium-driver"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
@@ -67,6 +70,7 @@ alerts: $(STAMP)
 
 previews: $(STAMP) system-deps
 	$(PY) dashboards/render_previews.py
+	$(PY) dashboards/render_page_previews.py
 
 # Regenerate the whole-/metrics golden file (tests/fixtures/metrics.golden.prom); read the diff.
 golden: $(STAMP)

@@ -23,6 +23,7 @@ from kvledger.sources.base import Source
 log = logging.getLogger("kvledger")
 
 DEMO_LISTEN = "127.0.0.1:9477"
+LAB_LISTEN = "127.0.0.1:9478"
 
 
 def _collector(config: Config, extra: Sequence[Source] = ()) -> Collector:
@@ -131,6 +132,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if new.otlp_endpoint != old.otlp_endpoint:
             log.warning("otlp.endpoint changed: a restart applies it")
         running[0] = new
+        assert server.endpoints is not None  # the daemon's server answers with its endpoints
         server.endpoints = dataclasses.replace(server.endpoints, json_view=new.json_view)
         server.reload_web_config()  # certificates and users; the file's path is read at start
         if collector.reconfigure(sources, base, timeouts, new.sharing, new.interval_seconds, new.limits):
@@ -238,9 +240,46 @@ def cmd_check(args: argparse.Namespace) -> int:
         collector.stop()
 
 
+def serve_lab(listen: str, web_config_file: str | None, query: str = "") -> int:
+    """`kvledger lab --serve`: the interactive lab page until SIGINT or SIGTERM."""
+    from kvledger.pages import LabSite
+
+    try:
+        server = KvledgerHTTPServer(listen, None, web_config_file=web_config_file, responder=LabSite())
+    except OSError as exc:
+        log.error("cannot listen on %s: %s", listen, exc.strerror or exc)
+        return 2
+    stop = threading.Event()
+
+    def handle(signum: int, _frame: object) -> None:
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+    signal.signal(signal.SIGHUP, lambda _signum, _frame: server.reload_web_config())
+    server.start()
+    print(f"kvledger lab: the cache lab on {server.url}/{query} (Ctrl-C stops)", flush=True)
+    stop.wait()
+    server.stop()
+    return 0
+
+
 def cmd_lab(args: argparse.Namespace) -> int:
+    from urllib.parse import urlencode
+
     from kvledger.lab import format_lab, run_lab
 
+    if args.serve:
+        given = {k: v for k, v in (("capacity", args.capacity), ("working_set", args.working_set)) if v is not None}
+        return serve_lab(args.listen or LAB_LISTEN, args.web_config_file, f"?{urlencode(given)}" if given else "")
+    if args.listen or args.web_config_file:
+        print("kvledger lab: --listen and --web.config.file go with --serve", file=sys.stderr)
+        return 2
+    if args.capacity is None or args.working_set is None:
+        print("kvledger lab: --capacity and --working-set are required (or --serve for the interactive page)",
+              file=sys.stderr)
+        return 2
     try:
         result = run_lab(args.capacity, args.working_set, args.requests)
     except ValueError as exc:
@@ -395,7 +434,8 @@ LAB_HELP = (
     "step with the totals of hits, misses and evictions. It illustrates a working set fitting or "
     "failing to fit a capacity (C=4, S=4: 12 hits of 16; C=3, S=4: none). It is NOT a model of safe "
     "KV eviction: an engine may only evict blocks that no request references, and can drop a live "
-    "request's KV only by recomputing it (or another correctness-preserving policy)."
+    "request's KV only by recomputing it (or another correctness-preserving policy). With --serve, the "
+    "same lab as an interactive page: set C and S, Reset, then Step or Play (to the 4,096-request cap)."
 )
 
 
@@ -435,9 +475,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     lab = sub.add_parser("lab", help="cache lab: a working set fitting or failing to fit an LRU capacity",
                          description=LAB_HELP)
-    lab.add_argument("--capacity", type=int, required=True, metavar="C")
-    lab.add_argument("--working-set", type=int, required=True, metavar="S")
+    lab.add_argument("--capacity", type=int, metavar="C", help="LRU capacity (required unless --serve)")
+    lab.add_argument("--working-set", type=int, metavar="S", help="repeating identifiers 0..S-1 (required unless --serve)")
     lab.add_argument("--requests", type=int, default=16, metavar="N", help="requests to replay (default 16, at most 4096)")
+    lab.add_argument("--serve", action="store_true", help="serve the interactive lab page instead of printing a run")
+    lab.add_argument("--listen", help=f"HOST:PORT of the page, with --serve (default {LAB_LISTEN})")
+    lab.add_argument("--web.config.file", dest="web_config_file", metavar="PATH",
+                     help="exporter-toolkit web-config.yml: TLS and basic auth, with --serve")
     lab.set_defaults(func=cmd_lab)
 
     _add_plan_parser(sub)
