@@ -276,7 +276,9 @@ class EngineView:
         for manager in self.managers:
             blocks = manager.req_to_blocks.get(rid)
             if blocks:
-                held += len(blocks) - (blocks.count(null) if blocks[0] is null else 0)
+                # sliding-window groups put the null block in front of the window (by identity:
+                # list.count would compare block records field by field)
+                held += len(blocks) - (sum(1 for b in blocks if b is null) if blocks[0] is null else 0)
         if status == self._running:
             state = "running"
         elif status == self._preempted:

@@ -56,7 +56,7 @@ class TenantHeader:
         rewritten = _with_tenant(body, tenant)
         if rewritten is not None:
             body = rewritten
-            headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
+            headers = [(k, v) for k, v in headers if k.lower() not in (b"content-length", b"transfer-encoding")]
             headers.append((b"content-length", str(len(body)).encode()))
             scope = dict(scope, headers=headers)
         await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
