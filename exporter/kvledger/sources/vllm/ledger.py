@@ -4,7 +4,7 @@ vLLM's EngineCore, with kvledger's integration enabled (docs/engines/vllm.md), s
 kvledger/v1 document per data-parallel rank at the address its ``KVLEDGER_VLLM_LEDGER``
 names; ``{dp_rank}`` in the address stands for the rank. ``LedgerReader.read(ranks)``
 fetches every rank's document in one poll (each GET bounded by the engine's timeout and
-body limit), and ``merge_ledger`` puts them in place of the bounds /metrics gives:
+body limit, no rank started once the timeout has passed since the first), and ``merge_ledger`` puts them in place of the bounds /metrics gives:
 
 - each pool becomes the ledger's (exact in use, reclaimable, free, references, shared;
   exact block bytes), keeping what only /metrics and KV events say about it (vLLM's own
@@ -21,6 +21,7 @@ sub-source reports why. Exact values of an earlier poll are never mixed with fre
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from kvledger.config import EngineConfig
 from kvledger.facts import Budgets, EngineFacts, RequestFacts
@@ -49,7 +50,15 @@ class LedgerReader:
                 "(each serves its own ledger)",
             )
         out: dict[str, EngineFacts] = {}
+        # one deadline for all ranks: a slow rank cannot stretch the poll to ranks x timeout
+        deadline = time.monotonic() + self.cfg.timeout_seconds
         for rank in ranks:
+            if time.monotonic() > deadline:
+                raise SourceError(
+                    "timeout",
+                    f"ledger: the documents of {len(ranks)} ranks took over {self.cfg.timeout_seconds:g}s "
+                    f"(rank {rank} not read)",
+                )
             client = self._clients.get(rank)
             if client is None:
                 client = HttpClient(
