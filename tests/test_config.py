@@ -115,18 +115,46 @@ def _one_engine(tmp_path: Path, body: str) -> Path:
     return path
 
 
-def test_unknown_kind_lists_only_kinds_that_work(tmp_path: Path) -> None:
+@pytest.fixture
+def planned_kind(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A kind on the roadmap (PLANNED), whatever the release has already accepted."""
+    import kvledger.config
+
+    monkeypatch.setattr(kvledger.config, "PLANNED", ("futurekind",))
+    return "futurekind"
+
+
+def test_unknown_kind_lists_only_kinds_that_work(tmp_path: Path, planned_kind: str) -> None:
     from kvledger.engine_kinds import KINDS
 
     with pytest.raises(ConfigError) as err:
         load_config(_one_engine(tmp_path, "kind: nope"))
     assert f"must be one of {', '.join(KINDS)}" in str(err.value)
-    assert "sglang" not in str(err.value)
+    assert planned_kind not in str(err.value)
 
 
-def test_planned_kind_is_refused_with_the_way_forward(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"kind 'sglang' has no adapter in this release .*kind: ledger"):
-        load_config(_one_engine(tmp_path, "kind: sglang"))
+def test_planned_kind_is_refused_with_the_way_forward(tmp_path: Path, planned_kind: str) -> None:
+    with pytest.raises(ConfigError, match=r"kind 'futurekind' has no adapter in this release .*kind: ledger"):
+        load_config(_one_engine(tmp_path, f"kind: {planned_kind}"))
+
+
+@pytest.mark.parametrize("kind", ["sglang", "trtllm", "triton-trtllm", "tgi"])
+def test_accepted_engine_kinds_load_with_kind_and_url_alone(tmp_path: Path, kind: str) -> None:
+    from kvledger.engine_kinds import PLANNED
+
+    assert kind not in PLANNED
+    assert load_config(_one_engine(tmp_path, f"kind: {kind}")).engines[0].kind == kind
+
+
+def test_tokens_option_is_a_token_count(tmp_path: Path) -> None:
+    assert load_config(_one_engine(tmp_path, "kind: tgi, block_size: 16")).engines[0].option("block_size") == "16"
+    for bad in ("0", "-16", "2.5", "'16'", "true"):
+        with pytest.raises(ConfigError, match=r"engines\[0\]\.block_size: expected a positive integer"):
+            load_config(_one_engine(tmp_path, f"kind: tgi, block_size: {bad}"))
+    with pytest.raises(ConfigError, match=r"engines\[0\]\.block_size: must be at most 1073741824"):
+        load_config(_one_engine(tmp_path, f"kind: tgi, block_size: {2**30 + 1}"))
+    with pytest.raises(ConfigError, match=r"block_size is for kind tgi only \(this engine is kind sglang\)"):
+        load_config(_one_engine(tmp_path, "kind: sglang, block_size: 16"))
 
 
 def test_a_key_of_another_kind_is_rejected_by_name(tmp_path: Path) -> None:
@@ -143,10 +171,12 @@ def test_kind_options_are_parsed_by_their_declared_type(tmp_path: Path) -> None:
         load_config(_one_engine(tmp_path, "kind: vllm, kv_events: 'not an address'"))
 
 
-def test_check_never_says_valid_before_failing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_never_says_valid_before_failing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], planned_kind: str
+) -> None:
     from kvledger.cli import main
 
-    path = _one_engine(tmp_path, "kind: sglang")
+    path = _one_engine(tmp_path, f"kind: {planned_kind}")
     assert main(["check", "--config", str(path)]) == 2
     out = capsys.readouterr()
     assert "valid" not in out.out and "has no adapter" in out.err

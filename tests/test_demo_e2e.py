@@ -73,8 +73,10 @@ def test_invariants_hold_in_prometheus(demo_and_prometheus: tuple[Daemon, Promet
         f"(sum by (engine, pool) (kvledger_kv_blocks) and on (engine, pool) {exact}) "
         "!= on (engine, pool) kvledger_kv_capacity_blocks")
     assert partition == []
+    # the three ledger engines, the stock SGLang (its kv_* token gauges partition the pool)
+    # and llama.cpp (busy slots' tokens in use, idle slots' reclaimable)
     exact_engines = {r["metric"]["engine"] for r in prom.query(f"sum by (engine, pool) (kvledger_kv_blocks) and on (engine, pool) {exact}")}
-    assert exact_engines >= {"sim-vllm", "sim-tgi", "sim-swa", "sim-llamacpp"}
+    assert exact_engines == {"sim-vllm", "sim-tgi", "sim-swa", "sim-stock-sglang", "sim-llamacpp"}
     # references >= in_use >= shared
     assert prom.query('kvledger_kv_block_references < on (engine, pool) kvledger_kv_blocks{state="in_use"}') == []
     assert prom.query('kvledger_kv_blocks{state="in_use"} < on (engine, pool) kvledger_kv_shared_blocks') == []
@@ -121,6 +123,27 @@ def test_llamacpp_is_read_through_its_slots(demo_and_prometheus: tuple[Daemon, P
     assert prom.query(f"max_over_time(kvledger_requests{{{sel},state=\"running\"}}[10s]) > 0")
     info = prom.query(f"kvledger_policy_info{{{sel}}}")[0]["metric"]
     assert (info["admission"], info["overflow"]) == ("reserve-cap", "reject")
+
+
+def test_stock_engines_of_every_kind_are_read_with_their_bases(demo_and_prometheus: tuple[Daemon, PrometheusServer]) -> None:
+    """The demo's stock SGLang, trtllm-serve, Triton and TGI, each read through its /metrics by
+    its own source: every one up and moving, each quantity with the basis its engine allows."""
+    _, prom = demo_and_prometheus
+    kinds = {r["metric"]["engine"]: r["metric"]["kind"] for r in prom.query('kvledger_engine_info{engine=~"sim-stock-.*"}')}
+    assert kinds == {"sim-stock-vllm": "vllm", "sim-stock-sglang": "sglang", "sim-stock-trtllm": "trtllm",
+                     "sim-stock-triton": "triton-trtllm", "sim-stock-tgi": "tgi"}
+    assert not prom.query('kvledger_source_up{engine=~"sim-stock-.*"} == 0')
+    assert {r["metric"]["basis"] for r in prom.query('kvledger_kv_reclaimable_bytes{engine="sim-stock-sglang"}')} == {"exact"}
+    for name in ("sim-stock-trtllm", "sim-stock-triton"):
+        assert {r["metric"]["state"] for r in prom.query(f'kvledger_kv_blocks{{engine="{name}"}}')} == {"in_use"}
+        assert {r["metric"]["basis"] for r in prom.query(f'kvledger_kv_reclaimable_bytes{{engine="{name}"}}')} == {"upper_bound"}
+        assert prom.query(f'kvledger_engine_reported_memory_bytes{{engine="{name}",memory_type="gpu"}} > 0')
+    assert {r["metric"]["basis"] for r in prom.query('kvledger_kv_reserved_bytes{engine="sim-stock-tgi"}')} == {"exact"}
+    assert prom.query('kvledger_kv_allocated_bytes{engine="sim-stock-tgi"}') == []
+    moved = {r["metric"]["engine"] for r in prom.query(
+        'changes(kvledger_kv_blocks{engine=~"sim-stock-.*",state="in_use"}[10s]) > 0 '
+        'or changes(kvledger_kv_reserved_bytes{engine="sim-stock-tgi"}[10s]) > 0', at=STARTED + WITHIN)}
+    assert moved >= {"sim-stock-sglang", "sim-stock-trtllm", "sim-stock-triton", "sim-stock-tgi"}
 
 
 def test_policy_is_declared_on_every_engine(demo_and_prometheus: tuple[Daemon, PrometheusServer]) -> None:

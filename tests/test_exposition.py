@@ -44,7 +44,8 @@ def rich_snapshot() -> Snapshot:
         budgets=Budgets(8192, 300, 16, 4096), pools=[pool], requests=reqs,
         counters={"preemptions": 1, "reservation_overflows": 2, "admission_rechecks_accepted": 3,
                   "admission_rechecks_rejected": 0, "reservation_leaks": 0,
-                  "prefix_cache_queried_tokens": 100, "prefix_cache_hit_tokens": 64},
+                  "prefix_cache_queried_tokens": 100, "prefix_cache_hit_tokens": 64,
+                  "host_offloaded_tokens": 512, "host_loaded_tokens": 128},
         memory=[MemoryTerm(0, c, 1000, "measured") for c in ("weights", "workspace", "runtime_buffers", "reserve")],
         host=HostFacts(10, Limit(100, "hard"), 2, Limit(50, "estimate"), 0, 5),
         tenants=[TenantQuota("t1", 5000)], gpus=[0], pids=[42],
@@ -52,9 +53,18 @@ def rich_snapshot() -> Snapshot:
     )
     vllm_pool = PoolFacts(id="0", block_size=32, num_blocks=127, block_bytes=16384, in_use=4, cached_blocks=17, running_requests=1)
     v = EngineFacts(name="vllm", kind="vllm", source="vllm", pools=[vllm_pool], budgets=Budgets(max_model_len=1024))
+    # TensorRT-LLM: free blocks include reusable cached ones (unreferenced), runtime memory reported
+    trt_pool = PoolFacts(id="0", block_size=32, num_blocks=100, block_bytes=4096, in_use=40, unreferenced_blocks=60,
+                         engine_reported_used_blocks=40, running_requests=3)
+    t = EngineFacts(name="trt", kind="trtllm", source="trtllm", admission="reserve-cap", pools=[trt_pool],
+                    budgets=Budgets(max_model_len=2048), reported_memory={"gpu": 123456, "cpu": 1000, "pinned": 64})
+    # TGI: the engine states its reservation (per-request), nothing physical
+    tgi_pool = PoolFacts(id="0", block_size=16, num_blocks=200, block_bytes=2048, reserved_blocks=150, running_requests=4)
+    g = EngineFacts(name="tgi", kind="tgi", source="tgi", admission="reserve-cap", pools=[tgi_pool],
+                    budgets=Budgets(max_model_len=1024))
     gpu = GpuFacts(0, True, "GPU-1", "H200", False, 10**6, 5 * 10**5, 4 * 10**5, 10**5, [GpuProcess(42, 12345)])
     health = [SourceHealth("sim", "ledger", True, None, 1.0, 0.01, {"timeout": 1})]
-    return Snapshot(engines=[e, v], gpus=[gpu, GpuFacts(1, False)], driver_version="560.1", health=health)
+    return Snapshot(engines=[e, v, t, g], gpus=[gpu, GpuFacts(1, False)], driver_version="560.1", health=health)
 
 
 def exposition() -> str:

@@ -286,11 +286,24 @@ def test_split_slots_busy_in_use_idle_reclaimable_never_used_empty() -> None:
     assert p.admission_headroom_requests is not None and p.admission_headroom_requests.exact == 2
 
 
+def test_split_reservation_is_exact_under_reference_aware_sharing_too() -> None:
+    """Split slots are separate streams (shared 0): each slot's reservation counted alone is
+    also the reference-aware one, so 2 busy slots x 512 stay exact under both rules."""
+    facts = _facts([_slot(0, 512, True, 300), _slot(1, 512, False, 200), _slot(2, 512, True, 12)])
+    assert facts.pools[0].shared == 0
+    merged = merge(facts, configured_facts(_cfg(block_bytes=128)))
+    for sharing in ("per-request", "reference-aware"):
+        (p,) = compute_accounts(Snapshot(engines=[merged], sharing=sharing)).engines[0].pools
+        assert p.reserved_blocks is not None and p.reserved_blocks.exact == 1024
+        assert p.quota_headroom_blocks is not None and p.quota_headroom_blocks.exact == 1536 - 1024
+
+
 def test_unified_capacity_is_one_context_and_the_reservation_a_bound() -> None:
     cfg = _cfg(block_bytes=128, kv_unified=True)
     facts = _facts([_slot(i, 4096, i < 3, 1000 + i) for i in range(4)], cfg)
     (pool,) = facts.pools
     assert (pool.num_blocks, pool.in_use, pool.reclaimable, pool.reserved_blocks) == (4096, 3003, 1003, None)
+    assert pool.shared is None  # sequences of one buffer may share cells
     assert facts.admission == "dynamic"
     acc = _accounts(facts, cfg)
     assert acc.facts.admission == "dynamic"

@@ -324,11 +324,12 @@ def test_source_reported_violations_are_counted() -> None:
 
 
 @pytest.mark.parametrize("sharing", ["per-request", "reference-aware"])
-def test_engine_reservation_is_exact_and_wins_over_the_running_bound(sharing: str) -> None:
-    """PoolFacts.reserved_blocks (a reserve-cap engine's own figure, e.g. llama.cpp's busy
-    slots x their context): exact under both rules, before the running x ceil(L/B) bound."""
+def test_engine_reservation_without_sharing_is_exact_and_wins_over_the_running_bound(sharing: str) -> None:
+    """PoolFacts.reserved_blocks with no block shared (shared=0, e.g. llama.cpp's busy split
+    slots x their context): the two sharing rules agree, so it is exact under both, before
+    the running x ceil(L/B) bound."""
     pool = PoolFacts(id="0", block_size=1, num_blocks=8192, block_bytes=256, in_use=700, reclaimable=300,
-                     running_requests=3, reserved_blocks=3 * 2048)
+                     shared=0, running_requests=3, reserved_blocks=3 * 2048)
     acc = engine_account(engine(pool, None, budgets=Budgets(max_model_len=2048, max_num_seqs=4)), sharing)
     (p,) = acc.pools
     assert p.reserved_blocks == Measure(exact=6144)
@@ -338,12 +339,23 @@ def test_engine_reservation_is_exact_and_wins_over_the_running_bound(sharing: st
     assert acc.invariant_violations == []
 
 
-@pytest.mark.parametrize("reserved", [699, 8193])
-def test_engine_reservation_below_in_use_or_above_capacity_is_counted_and_dropped(reserved: int) -> None:
+@pytest.mark.parametrize("shared", [None, 5])
+def test_engine_reservation_with_possible_sharing_bounds_the_reference_aware_rule(shared: int | None) -> None:
+    """Sharing unknown or present: resident blocks count once under reference-aware, so the
+    stated reservation (each request counted alone) is an upper bound and in-use a lower one."""
+    pool = PoolFacts(id="0", block_size=1, num_blocks=8192, in_use=700, reclaimable=300, shared=shared,
+                     running_requests=3, reserved_blocks=6144)
+    (p,) = engine_account(engine(pool, None, budgets=Budgets(max_model_len=2048)), "reference-aware").pools
+    assert p.reserved_blocks == Measure(lower=700, upper=6144)
+    (q,) = engine_account(engine(pool, None, budgets=Budgets(max_model_len=2048)), "per-request").pools
+    assert q.reserved_blocks == Measure(exact=6144)
+
+
+def test_engine_reservation_below_in_use_is_counted_and_dropped() -> None:
     pool = PoolFacts(id="0", block_size=1, num_blocks=8192, in_use=700, reclaimable=0, running_requests=1,
-                     reserved_blocks=reserved)
+                     reserved_blocks=699)
     acc = engine_account(engine(pool, None, budgets=Budgets(max_model_len=2048)), "per-request")
-    assert acc.invariant_violations == ["engine_reserved_in_range"]
+    assert acc.invariant_violations == ["engine_reserved_ge_in_use"]
     # what the running count bounds remains: max(1 x 2048, in_use)
     assert acc.pools[0].reserved_blocks == Measure(upper=2048)
     assert acc.pools[0].physical.in_use == Measure(exact=700)

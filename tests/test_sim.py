@@ -123,7 +123,10 @@ def test_demo_serves_engines_and_gpus(unix):
     with start_demo(seed=3, unix_sockets=unix, profiles=profiles) as demo:
         assert [(c.name, c.kind) for c in demo.engine_configs] == [
             ("sim-vllm", "ledger"), ("sim-tgi", "ledger"), ("sim-swa", "ledger"), ("sim-stock-vllm", "vllm"),
-            ("sim-llamacpp", "llamacpp")]
+            ("sim-stock-sglang", "sglang"), ("sim-stock-trtllm", "trtllm"), ("sim-stock-triton", "triton-trtllm"),
+            ("sim-stock-tgi", "tgi"), ("sim-llamacpp", "llamacpp")]
+        for cfg in demo.engine_configs[4:]:  # stock engines serve their /metrics over HTTP
+            assert cfg.url.startswith("http://127.0.0.1:") and cfg.gpus == ()
         assert demo.engine_configs[3].url.startswith("http://127.0.0.1:")  # a stock vLLM serves HTTP
         for cfg in demo.engine_configs[:3]:
             assert cfg.url.startswith("unix://" if unix else "http://127.0.0.1:")

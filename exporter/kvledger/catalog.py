@@ -90,6 +90,14 @@ def _headroom(a: Accounts) -> Iterator[Sample]:
                     yield (e.name, p.pool, kind, basis), float(v)
 
 
+def _utilization(a: Accounts) -> Iterator[Sample]:
+    for e, p in _pools(a):
+        for kind, m in (("physical", p.physical_utilization), ("quota", p.quota_utilization)):
+            if m is not None:
+                for basis, v in m.series():
+                    yield (e.name, p.pool, kind, basis), float(v)
+
+
 def _pending(a: Accounts) -> Iterator[Sample]:
     for e, p in _pools(a):
         if p.block_bytes is None:
@@ -203,6 +211,12 @@ def _socket_queue(a: Accounts) -> Iterator[Sample]:
                 yield (e.name, direction), float(v)
 
 
+def _reported_memory(a: Accounts) -> Iterator[Sample]:
+    for e in a.engines:
+        for memory_type, b in sorted(e.facts.reported_memory.items()):
+            yield (e.name, memory_type), float(b)
+
+
 def _policy_info(a: Accounts) -> Iterator[Sample]:
     for e in a.engines:
         f = e.facts
@@ -299,6 +313,10 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("kvledger_kv_headroom_bytes", "gauge", "bytes", "kv", ("engine", "pool", "kind", "basis"),
                "Headroom: kind=quota is capacity minus reserved (negative = overcommit); kind=physical is free "
                "plus reclaimable. Different numbers, never one.", _headroom),
+    MetricSpec("kvledger_kv_utilization_ratio", "gauge", "ratio", "kv", ("engine", "pool", "kind", "basis"),
+               "Share of the pool's capacity: kind=physical is in-use blocks / capacity (reclaimable blocks count "
+               "as available), kind=quota is reserved / capacity (above 1: overcommit). The same meaning for every "
+               "engine kind: the gauge a router should read instead of each engine's own usage gauge.", _utilization),
     MetricSpec("kvledger_kv_resident_tokens", "gauge", "tokens", "kv", EPB,
                "Tokens resident in the KV cache for running requests under the declared sharing rule.",
                _pool_measure(lambda p: p.resident_tokens)),
@@ -339,6 +357,12 @@ CATALOG: tuple[MetricSpec, ...] = (
                _counter("prefix_cache_queried_tokens")),
     MetricSpec("kvledger_prefix_cache_hit_tokens_total", "counter", "tokens", "scheduler", ("engine",),
                "Prompt tokens found in the prefix cache (not recomputed).", _counter("prefix_cache_hit_tokens")),
+    MetricSpec("kvledger_kv_host_offloaded_tokens_total", "counter", "tokens", "scheduler", ("engine",),
+               "Tokens the engine moved from its GPU KV pool to a host (CPU) tier (SGLang HiCache evictions); "
+               "kept there for a later load back, not lost.", _counter("host_offloaded_tokens")),
+    MetricSpec("kvledger_kv_host_loaded_tokens_total", "counter", "tokens", "scheduler", ("engine",),
+               "Tokens the engine loaded back from a host (CPU) tier into its GPU KV pool instead of recomputing them.",
+               _counter("host_loaded_tokens")),
     MetricSpec("kvledger_reservation_leaks_total", "counter", "", "scheduler", ("engine",),
                "Reservations found with no live request.", _counter("reservation_leaks")),
     # Tenants
@@ -376,6 +400,10 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("kvledger_gpu_memory_unaccounted_bytes", "gauge", "bytes", "gpu", ("gpu", "basis"),
                "NVML used minus the allocations the engines on the GPU declared (weights, workspace, runtime "
                "buffers, KV pool).", _unaccounted),
+    MetricSpec("kvledger_engine_reported_memory_bytes", "gauge", "bytes", "gpu", ("engine", "memory_type"),
+               "Memory an engine's runtime reports holding, by memory_type (gpu, cpu, pinned), as the engine counts "
+               "it (TensorRT-LLM's runtime memory counters): shown beside the device budget, never added to it.",
+               _reported_memory),
     # Host
     MetricSpec("kvledger_host_buffer_bytes", "gauge", "bytes", "host", ("engine",),
                "Host output buffer bytes held by the engine.", _engine_value(lambda e: e.host.output_buffer_bytes)),

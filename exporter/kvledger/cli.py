@@ -1,4 +1,4 @@
-"""The `kvledger` command: serve, demo, snapshot, check, lab."""
+"""The `kvledger` command: serve, demo, snapshot, check, lab, plan."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from kvledger import __version__
 from kvledger.collector import Collector
 from kvledger.config import Config, ConfigError, load_config
 from kvledger.json_view import accounts_to_json
+from kvledger.limits import MAX_CONTEXTS, MAX_TOKENS
 from kvledger.policy import Accounts
 from kvledger.server import KvledgerHTTPServer
 from kvledger.sources.base import Source
@@ -22,6 +23,7 @@ from kvledger.sources.base import Source
 log = logging.getLogger("kvledger")
 
 DEMO_LISTEN = "127.0.0.1:9477"
+LAB_LISTEN = "127.0.0.1:9478"
 
 
 def _collector(config: Config, extra: Sequence[Source] = ()) -> Collector:
@@ -130,6 +132,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if new.otlp_endpoint != old.otlp_endpoint:
             log.warning("otlp.endpoint changed: a restart applies it")
         running[0] = new
+        assert server.endpoints is not None  # the daemon's server answers with its endpoints
         server.endpoints = dataclasses.replace(server.endpoints, json_view=new.json_view)
         server.reload_web_config()  # certificates and users; the file's path is read at start
         if collector.reconfigure(sources, base, timeouts, new.sharing, new.interval_seconds, new.limits):
@@ -237,9 +240,46 @@ def cmd_check(args: argparse.Namespace) -> int:
         collector.stop()
 
 
+def serve_lab(listen: str, web_config_file: str | None, query: str = "") -> int:
+    """`kvledger lab --serve`: the interactive lab page until SIGINT or SIGTERM."""
+    from kvledger.pages import LabSite
+
+    try:
+        server = KvledgerHTTPServer(listen, None, web_config_file=web_config_file, responder=LabSite())
+    except OSError as exc:
+        log.error("cannot listen on %s: %s", listen, exc.strerror or exc)
+        return 2
+    stop = threading.Event()
+
+    def handle(signum: int, _frame: object) -> None:
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+    signal.signal(signal.SIGHUP, lambda _signum, _frame: server.reload_web_config())
+    server.start()
+    print(f"kvledger lab: the cache lab on {server.url}/{query} (Ctrl-C stops)", flush=True)
+    stop.wait()
+    server.stop()
+    return 0
+
+
 def cmd_lab(args: argparse.Namespace) -> int:
+    from urllib.parse import urlencode
+
     from kvledger.lab import format_lab, run_lab
 
+    if args.serve:
+        given = {k: v for k, v in (("capacity", args.capacity), ("working_set", args.working_set)) if v is not None}
+        return serve_lab(args.listen or LAB_LISTEN, args.web_config_file, f"?{urlencode(given)}" if given else "")
+    if args.listen or args.web_config_file:
+        print("kvledger lab: --listen and --web.config.file go with --serve", file=sys.stderr)
+        return 2
+    if args.capacity is None or args.working_set is None:
+        print("kvledger lab: --capacity and --working-set are required (or --serve for the interactive page)",
+              file=sys.stderr)
+        return 2
     try:
         result = run_lab(args.capacity, args.working_set, args.requests)
     except ValueError as exc:
@@ -249,12 +289,153 @@ def cmd_lab(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Exit 0 when the budget closes, 1 when it does not or cannot be decided (with
+    --check), 2 on bad input."""
+    from kvledger.config import parse_size
+    from kvledger.plan import (
+        ModelPlanInput,
+        PlanError,
+        fetch_live,
+        parse_lengths,
+        parse_live,
+        parse_term,
+        plan_from_live,
+        plan_from_model,
+        render_table,
+    )
+
+    try:
+        lengths = tuple(parse_lengths(args.length, args.lengths_file))
+        spec = ", ".join([*args.length, *([f"file {args.lengths_file}"] if args.lengths_file else [])]) or None
+        if args.from_url:
+            if args.model_config:
+                raise PlanError("give a model config or --from URL, not both")
+            report = plan_from_live(parse_live(fetch_live(args.from_url), args.from_url), args.from_url, args.engine,
+                                    lengths, spec, args.min_concurrency)
+        else:
+            if not args.model_config:
+                raise PlanError("give a model config.json (or --from URL of a running kvledger)")
+
+            def size(option: str, text: str | None) -> int | None:
+                if text is None:
+                    return None
+                try:
+                    return parse_size(text)
+                except ValueError as exc:
+                    raise PlanError(f"{option} {text!r}: {exc}") from None
+
+            inp = ModelPlanInput(
+                config=args.model_config, gpu=args.gpu, gpu_memory=size("--gpu-memory", args.gpu_memory),
+                tensor_parallel=args.tensor_parallel, kv_dtype=args.kv_dtype, weights_dtype=args.weights_dtype,
+                block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, speculative_tokens=args.speculative_tokens,
+                n=args.n, in_flight_batches=args.in_flight_batches,
+                weights=None if args.weights_bytes is None else parse_term(args.weights_bytes, "--weights"),
+                workspace=None if args.workspace is None else parse_term(args.workspace, "--workspace"),
+                runtime_buffers=None if args.runtime_buffers is None else parse_term(args.runtime_buffers, "--runtime-buffers"),
+                reserve=None if args.reserve is None else parse_term(args.reserve, "--reserve"),
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                kv_cache_memory_bytes=size("--kv-cache-memory-bytes", args.kv_cache_memory_bytes),
+                lengths=lengths, lengths_spec=spec, min_concurrency=args.min_concurrency,
+            )
+            report = plan_from_model(inp)
+    except PlanError as exc:
+        print(f"kvledger plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        print(render_table(report))
+    if args.check and report.verdict["closes"] is not True:
+        term = report.verdict["breaking_term"] or "device"
+        print(f"kvledger plan: check failed: {term}: {report.verdict['message']}", file=sys.stderr)
+        return 1
+    if args.check and args.strict and report.verdict["rests_on_estimates"]:
+        print(f"kvledger plan: check failed (--strict): rests on estimates: {', '.join(report.verdict['rests_on_estimates'])}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _int_in(minimum: int, maximum: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [minimum, maximum]."""
+
+    def conv(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"expected an integer in {minimum}..{maximum}, got {text!r}")
+        return value
+
+    return conv
+
+
+_positive = _int_in(1, MAX_TOKENS)  # token counts and budgets (limits.MAX_TOKENS)
+_nonnegative = _int_in(0, MAX_TOKENS)
+
+
+PLAN_HELP = (
+    "Does the device budget close at the maximum supported shapes? weights (counted from config.json) + "
+    "workspace + runtime_buffers + reserve + kv_pool <= device memory, per GPU; the KV pool left, its blocks "
+    "and token capacity, the worst-case concurrency under reserve-cap and the expected concurrency under "
+    "dynamic admission for a length distribution. Terms the config cannot give are SIZE:SOURCE with SOURCE "
+    "measured, configured or estimate. --from URL reads a running kvledger instead. See docs/plan.md."
+)
+
+
+def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from kvledger.plan import GPUS
+
+    pl = sub.add_parser("plan", help="validate a deployment's memory budget at its maximum shapes before it serves",
+                        description=PLAN_HELP)
+    pl.add_argument("model_config", nargs="?", metavar="CONFIG_JSON", help="the model's Hugging Face config.json")
+    pl.add_argument("--from", dest="from_url", metavar="URL",
+                    help="a running kvledger's JSON view (/api/v1/accounts) or /metrics, instead of a model config")
+    pl.add_argument("--engine", help="with --from: the engine to plan (when the daemon watches several)")
+    pl.add_argument("--gpu", metavar="NAME", help=f"a GPU of the table: {', '.join(GPUS)}")
+    pl.add_argument("--gpu-memory", metavar="SIZE", help="device memory per GPU (e.g. 80GiB), instead of --gpu")
+    pl.add_argument("--tensor-parallel", "--tp", type=_int_in(1, 1024), default=1, metavar="N")
+    pl.add_argument("--kv-dtype", default="auto", help="auto (the model's dtype), bfloat16, float16, fp8 ...")
+    pl.add_argument("--weights-dtype", default="auto", help="dtype of unquantized weights (auto: the config's)")
+    pl.add_argument("--block-size", type=_positive, default=16, metavar="TOKENS")
+    pl.add_argument("--max-model-len", type=_positive, metavar="TOKENS", help="default: max_position_embeddings")
+    pl.add_argument("--max-num-seqs", type=_positive, default=256, help="default 256 (give the engine's)")
+    pl.add_argument("--max-num-batched-tokens", type=_positive, metavar="TOKENS",
+                    help="per-iteration token budget (default 2048; give the engine's)")
+    pl.add_argument("--speculative-tokens", type=_nonnegative, default=0, metavar="K")
+    pl.add_argument("-n", type=_int_in(1, MAX_CONTEXTS), default=1, help="parallel samples per request")
+    pl.add_argument("--in-flight-batches", type=_int_in(1, 64), default=1, metavar="N",
+                    help="batches scheduled but not settled (2 with async scheduling, PP size with pipeline stages); "
+                         "sliding windows hold N x max_num_batched_tokens more tokens")
+    pl.add_argument("--weights", dest="weights_bytes", metavar="SIZE:SOURCE", help="the weights' size per GPU, "
+                    "instead of counting them (e.g. 15GiB:measured)")
+    pl.add_argument("--workspace", metavar="SIZE:SOURCE", help="workspace / activation peak per GPU")
+    pl.add_argument("--runtime-buffers", metavar="SIZE:SOURCE", help="CUDA graphs, non-torch memory, ... per GPU")
+    pl.add_argument("--reserve", metavar="SIZE:SOURCE", help="headroom kept free per GPU")
+    pl.add_argument("--gpu-memory-utilization", type=float, metavar="U",
+                    help="vLLM's fraction: the reserve is total - ceil(total x U) (configured)")
+    pl.add_argument("--kv-cache-memory-bytes", metavar="SIZE", help="the KV pool per GPU, as configured (vLLM's flag)")
+    pl.add_argument("--length", action="append", default=[], metavar="PROMPT:OUTPUT",
+                    help="one request of the length distribution (repeatable)")
+    pl.add_argument("--lengths-file", metavar="FILE", help="length distribution: lines 'PROMPT OUTPUT [COUNT]'")
+    pl.add_argument("--min-concurrency", type=_positive, metavar="N",
+                    help="the budget must admit N requests at their cap (reserve-cap)")
+    pl.add_argument("--json", action="store_true", help="the report as JSON")
+    pl.add_argument("--check", action="store_true", help="exit 1 when the budget does not close (naming the term)")
+    pl.add_argument("--strict", action="store_true", help="with --check: fail too when the answer rests on an estimate")
+    pl.set_defaults(func=cmd_plan)
+
+
 LAB_HELP = (
     "Replay a repeating sequence of S identifiers through an LRU cache of capacity C and print each "
     "step with the totals of hits, misses and evictions. It illustrates a working set fitting or "
     "failing to fit a capacity (C=4, S=4: 12 hits of 16; C=3, S=4: none). It is NOT a model of safe "
     "KV eviction: an engine may only evict blocks that no request references, and can drop a live "
-    "request's KV only by recomputing it (or another correctness-preserving policy)."
+    "request's KV only by recomputing it (or another correctness-preserving policy). With --serve, the "
+    "same lab as an interactive page: set C and S, Reset, then Step or Play (to the 4,096-request cap)."
 )
 
 
@@ -294,10 +475,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     lab = sub.add_parser("lab", help="cache lab: a working set fitting or failing to fit an LRU capacity",
                          description=LAB_HELP)
-    lab.add_argument("--capacity", type=int, required=True, metavar="C")
-    lab.add_argument("--working-set", type=int, required=True, metavar="S")
+    lab.add_argument("--capacity", type=int, metavar="C", help="LRU capacity (required unless --serve)")
+    lab.add_argument("--working-set", type=int, metavar="S", help="repeating identifiers 0..S-1 (required unless --serve)")
     lab.add_argument("--requests", type=int, default=16, metavar="N", help="requests to replay (default 16, at most 4096)")
+    lab.add_argument("--serve", action="store_true", help="serve the interactive lab page instead of printing a run")
+    lab.add_argument("--listen", help=f"HOST:PORT of the page, with --serve (default {LAB_LISTEN})")
+    lab.add_argument("--web.config.file", dest="web_config_file", metavar="PATH",
+                     help="exporter-toolkit web-config.yml: TLS and basic auth, with --serve")
     lab.set_defaults(func=cmd_lab)
+
+    _add_plan_parser(sub)
     return p
 
 

@@ -334,6 +334,11 @@ def _tokens(value: Any) -> int:
     return _pos_int(value, MAX_TOKENS)
 
 
+def _tokens_text(value: Any) -> str:
+    """A kind's ``tokens`` option, kept as the decimal text of a token count in 1 .. 2**30."""
+    return str(_tokens(value))
+
+
 def _nonneg_number(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_SAFE_INT:
         raise ValueError(f"expected a finite non-negative number, got {_brief(value)}")
@@ -469,7 +474,7 @@ def _engine(r: _Reader, names: set[str]) -> EngineConfig:
         options=tuple(
             (o.name, value)
             for o in KINDS[kind].options
-            if (value := r.get(o.name, _OPTION_VALUES[o.value], None)) is not None
+            if (value := r.get(o.name, _OPTION_READERS[o.value], None)) is not None
         ),
         admission=r.get("admission", _choice(ADMISSIONS), None),
         overflow=r.get("overflow", _choice(OVERFLOWS), None),
@@ -550,15 +555,17 @@ def _bool(value: Any) -> bool:
 
 
 def _bool_text(value: Any) -> str:
+    """A kind's ``boolean`` option, kept as the text "true" or "false"."""
     return "true" if _bool(value) else "false"
 
 
-#: how a kind's own key is read, by ``Option.value`` (options are kept as text)
-_OPTION_VALUES: dict[str, Callable[[Any], str]] = {
+#: how the loader reads a kind's own key, by its Option.value (engine_kinds); options are
+#: kept as text
+_OPTION_READERS: dict[str, Callable[[Any], str]] = {
     "address": _url,
     "path": _str,
     "boolean": _bool_text,
-    "tokens": lambda value: str(_tokens(value)),
+    "tokens": _tokens_text,
 }
 
 

@@ -49,7 +49,9 @@ def engine_kinds() -> str:
         keys = ", ".join(f"`{o.name}` ({o.help})" for o in k.options) or "-"
         rules = f"{k.admission or 'from the engine'}, {k.overflow or 'from the engine'}"
         lines.append(f"| `{k.name}` | {k.summary} | {keys} | {rules} | [{k.docs}]({k.docs}) |")
-    lines += ["", f"Planned, not yet accepted: {', '.join(PLANNED)}.", "", KINDS_END]
+    if PLANNED:
+        lines += ["", f"Planned, not yet accepted: {', '.join(PLANNED)}."]
+    lines += ["", KINDS_END]
     return "\n".join(lines)
 
 

@@ -1,4 +1,5 @@
-"""What each URL answers: /metrics, /-/healthy, /-/ready, /api/v1/accounts and the index."""
+"""What each URL answers: /metrics, /-/healthy, /-/ready, /api/v1/accounts, the ledger page
+at / (with its data at /ui/ledger.json) and the cache lab at /lab (kvledger.pages)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,11 @@ from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
 
-from kvledger import __version__
 from kvledger.collector import Collector
 from kvledger.http_connection import Request, Response
 from kvledger.json_view import accounts_to_json
+from kvledger.pages import accounts_header, json_response, lab_response, ledger_document, page, static_response
 from kvledger.prometheus_output import TEXT_CONTENT_TYPE, render_text
-
-INDEX = """<html><head><title>kvledger</title></head><body>
-<h1>kvledger {version}</h1>
-<p>One declared KV-cache accounting policy, exported to Prometheus.</p>
-<ul><li><a href="/metrics">/metrics</a></li><li><a href="/-/healthy">/-/healthy</a></li>
-<li><a href="/-/ready">/-/ready</a></li>{json}</ul></body></html>
-"""
 
 TEXT = "text/plain; charset=utf-8"
 
@@ -37,8 +31,9 @@ class Endpoints:
             return Response(405, b"only GET and HEAD are served\n", (("Content-Type", TEXT), ("Allow", "GET, HEAD")))
         path = urlsplit(request.target).path
         if path == "/metrics":
-            body = render_text(self.collector.latest(), self.process_registry)
-            headers = [("Content-Type", TEXT_CONTENT_TYPE), ("Vary", "Accept-Encoding")]
+            accounts = self.collector.latest()
+            body = render_text(accounts, self.process_registry)
+            headers = [("Content-Type", TEXT_CONTENT_TYPE), ("Vary", "Accept-Encoding"), *accounts_header(accounts)]
             if "gzip" in request.headers.get("accept-encoding", ""):
                 body = gzip.compress(body, compresslevel=1)
                 headers.append(("Content-Encoding", "gzip"))
@@ -56,7 +51,19 @@ class Endpoints:
             body = json.dumps(accounts_to_json(self.collector.latest(), self.collector), indent=1).encode()
             return Response(200, body, (("Content-Type", "application/json"),))
         if path == "/":
-            link = '<li><a href="/api/v1/accounts">/api/v1/accounts</a></li>' if self.json_view else ""
-            return Response(200, INDEX.format(version=__version__, json=link).encode(),
-                            (("Content-Type", "text/html; charset=utf-8"),))
+            links = [("metrics", "/metrics"), ("-/healthy", "/-/healthy"), ("-/ready", "/-/ready")]
+            if self.json_view:
+                links.append(("api/v1/accounts", "/api/v1/accounts"))
+            links.append(("lab", "/lab (the cache lab)"))
+            return page("ledger.html", links)
+        if path == "/ui/ledger.json":
+            accounts = self.collector.latest()
+            messages = {(h.engine, h.source): m for h, m in self.collector.health()} if self.json_view else None
+            return json_response(ledger_document(accounts, self.json_view, messages), extra=accounts_header(accounts))
+        if path == "/lab":
+            return page("lab.html", [("./", "the ledger page"), ("metrics", "/metrics")])
+        if path == "/lab/run.json":
+            return lab_response(request.target)
+        if path.startswith("/static/") and (static := static_response(path.removeprefix("/static/"))) is not None:
+            return static
         return Response(404, b"not found\n", (("Content-Type", TEXT),))

@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 class Option:
     """A configuration key only this kind accepts; the loader checks it by ``value``:
     ``address`` (tcp://, ipc://, http(s):// or unix:///absolute/path), ``path`` (a file),
-    ``boolean`` (true or false, kept as the text "true" or "false") or ``tokens`` (an integer
-    in 1 .. 2**30, kept as its decimal text)."""
+    ``boolean`` (true or false, kept as the text "true" or "false") or ``tokens`` (a whole
+    number of tokens, 1 .. 2**30, kept as its decimal text)."""
 
     name: str
     value: Literal["address", "path", "boolean", "tokens"]
@@ -54,7 +54,7 @@ class EngineKind:
 KINDS: dict[str, EngineKind] = {}
 
 #: kinds on the roadmap: named in the error for an unknown kind, never accepted
-PLANNED: tuple[str, ...] = ("sglang", "trtllm", "triton-trtllm", "tgi")
+PLANNED: tuple[str, ...] = ()
 
 
 def register(kind: EngineKind) -> None:
@@ -85,11 +85,58 @@ register(EngineKind(
         Option("kv_events", "address", "the ZMQ publisher of KV events (--kv-events-config endpoint)"),
         Option("kv_events_replay", "address", "the ZMQ replay endpoint (replay_endpoint)"),
         Option("log_file", "path", "the server's log, for the startup memory profile"),
+        Option("ledger", "address", "the in-engine integration's kvledger/v1 address (KVLEDGER_VLLM_LEDGER; {dp_rank} per rank)"),
     ),
     admission="dynamic",  # vLLM admits against free blocks, not a reservation
     overflow="preempt-recompute",
     docs="docs/engines/vllm.md",
-    summary="a stock vLLM: /metrics, optional KV events (ZMQ) and startup log",
+    summary="vLLM: /metrics, optional KV events (ZMQ), startup log and in-engine ledger (exact)",
+))
+
+register(EngineKind(
+    name="sglang",
+    source="kvledger.sources.sglang.source:SglangSource",
+    options=(
+        Option("server_info_url", "address",
+               "GET /get_server_info, for page_size on builds whose /metrics has no sglang:page_size"),
+    ),
+    admission="dynamic",  # SGLang allocates on demand and retracts (recomputes) under pressure
+    overflow="preempt-recompute",
+    docs="docs/engines/sglang.md",
+    summary="SGLang's /metrics (--enable-metrics): KV tokens in pages, sliding-window and mamba pools apart",
+))
+
+register(EngineKind(
+    name="trtllm",
+    source="kvledger.sources.trtllm.source:TrtllmSource",
+    options=(),
+    admission="reserve-cap",  # the default GUARANTEED_NO_EVICT scheduler; MAX_UTILIZATION: set admission: dynamic
+    overflow="preempt-recompute",  # MAX_UTILIZATION pauses requests (blocks freed, recomputed later)
+    docs="docs/engines/trtllm.md",
+    summary="trtllm-serve's GET /prometheus/metrics (never the destructive JSON /metrics)",
+))
+
+register(EngineKind(
+    name="triton-trtllm",
+    source="kvledger.sources.triton_trtllm.source:TritonTrtllmSource",
+    options=(),
+    admission="reserve-cap",  # the backend's default batch_scheduler_policy guaranteed_no_evict
+    overflow="preempt-recompute",
+    docs="docs/engines/triton-trtllm.md",
+    summary="Triton's /metrics (port 8002) with the TensorRT-LLM backend's nv_trt_llm_* families",
+))
+
+register(EngineKind(
+    name="tgi",
+    source="kvledger.sources.tgi.source:TgiSource",
+    options=(
+        Option("block_size", "tokens",
+               "tokens per KV block of TGI's attention backend (flashinfer 1, the default; paged 16; flashdecoding 256)"),
+    ),
+    admission="reserve-cap",  # TGI reserves input + max_new_tokens up front and never preempts
+    overflow="reject",
+    docs="docs/engines/tgi.md",
+    summary="TGI's /metrics: the running batch's reservation and the warmed-up token capacity",
 ))
 
 register(EngineKind(

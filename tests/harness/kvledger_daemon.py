@@ -67,6 +67,16 @@ def run_demo(workdir: Path, faults: Sequence[str] = (), extra: Sequence[str] = (
 
 
 @contextmanager
+def run_lab(workdir: Path, extra: Sequence[str] = ()) -> Iterator[Daemon]:
+    """`kvledger lab --serve`: the cache lab page alone (its /-/ready answers at once)."""
+    daemon = start_daemon(workdir, ["lab", "--serve", *extra])
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+
+
+@contextmanager
 def run_serve(workdir: Path, config: Path, env: dict[str, str] | None = None) -> Iterator[Daemon]:
     daemon = start_daemon(workdir, ["serve", "--config", str(config)], env=env)
     try:

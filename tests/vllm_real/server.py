@@ -53,6 +53,9 @@ SERVE_FLAGS: tuple[str, ...] = (
     "--enforce-eager",
     "--served-model-name", SERVED_MODEL_NAME,
 )  # fmt: skip
+# with the in-engine ledger on: kvledger's tenant middleware (an X-Tenant header becomes the
+# ledger's tenant)
+LEDGER_FLAGS: tuple[str, ...] = ("--middleware", "kvledger.integration.vllm.tenant_header.TenantHeader")
 
 
 class VllmStartError(RuntimeError):
@@ -116,12 +119,16 @@ def http_get(url: str, timeout: float = 10.0) -> str:
         return resp.read().decode()
 
 
-def http_post_json(url: str, body: object | None, timeout: float = 300.0) -> tuple[int, str]:
+def http_post_json(
+    url: str, body: object | None, timeout: float = 300.0, headers: dict[str, str] | None = None
+) -> tuple[int, str]:
     """POST ``body`` as JSON (or nothing); return (status, response text), errors included."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method="POST")
     if data is not None:
         req.add_header("Content-Type", "application/json")
+    for name, value in (headers or {}).items():
+        req.add_header(name, value)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, resp.read().decode()
@@ -170,16 +177,20 @@ def complete(
     index: int = 0,
     model: str = SERVED_MODEL_NAME,
     timeout: float = 300.0,
+    n: int = 1,
+    headers: dict[str, str] | None = None,
 ) -> CompletionResult:
-    """One greedy /v1/completions request that ignores EOS (always ``max_tokens`` long)."""
-    body = {
+    """One /v1/completions request that ignores EOS (always ``max_tokens`` long); greedy
+    unless ``n`` > 1 (then sampled, so the ``n`` sequences are distinct)."""
+    body: dict[str, object] = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "ignore_eos": True,
-        "temperature": 0.0,
+        "temperature": 0.0 if n == 1 else 1.0,
+        "n": n,
     }
-    status, text = http_post_json(f"{base_url}/v1/completions", body, timeout=timeout)
+    status, text = http_post_json(f"{base_url}/v1/completions", body, timeout=timeout, headers=headers)
     prompt_tokens = completion_tokens = None
     if status == 200:
         usage = json.loads(text).get("usage") or {}
@@ -263,6 +274,7 @@ class VllmServer:
         log_path: str | os.PathLike[str] | None = None,
         startup_timeout: float = 120.0,
         host: str = "127.0.0.1",
+        ledger: bool = True,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.port = port
@@ -272,6 +284,9 @@ class VllmServer:
         self.startup_timeout = startup_timeout
         self.host = host
         self._work_dir = Path(tempfile.mkdtemp(prefix="kvledger-vllm-"))
+        # the in-engine ledger (kvledger's vLLM plugin): on unless a test turns it off
+        self.ledger = ledger
+        self.ledger_socket = self._work_dir / "ledger.sock"
         self.log_path = Path(log_path) if log_path else self._work_dir / "vllm.log"
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: object | None = None
@@ -322,6 +337,7 @@ class VllmServer:
             str(vllm_python()), str(LAUNCHER), "serve", str(self.model_dir),
             "--host", self.host, "--port", str(self.port),
             *SERVE_FLAGS,
+            *(LEDGER_FLAGS if self.ledger else ()),
             "--kv-events-config", json.dumps(self.kv_events_config()),
             *self.extra_args,
         ]  # fmt: skip
@@ -340,7 +356,16 @@ class VllmServer:
             DO_NOT_TRACK="1",
             PYTHONUNBUFFERED="1",
         )
+        for name in ("KVLEDGER_VLLM_LEDGER", "KVLEDGER_VLLM_TENANT", "KVLEDGER_VLLM_INTERVAL"):
+            env.pop(name, None)
+        if self.ledger:
+            env["KVLEDGER_VLLM_LEDGER"] = self.ledger_url
+            env["KVLEDGER_VLLM_TENANT"] = "request"
         return env
+
+    @property
+    def ledger_url(self) -> str:
+        return f"unix://{self.ledger_socket}"
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> float:
@@ -477,6 +502,34 @@ class VllmServer:
 
     def complete(self, prompt: str, max_tokens: int) -> CompletionResult:
         return complete(self.base_url, prompt, max_tokens)
+
+    def pause(self) -> None:
+        """POST /pause?mode=keep&clear_cache=false: the engine stops stepping, its requests keep
+        their blocks (needs VLLM_SERVER_DEV_MODE=1). Without clear_cache=false vLLM 0.32 resets
+        the prefix cache on pause, preempting every running request. Unlike SIGSTOP, the engine process keeps answering
+        on its other threads, e.g. the in-engine ledger."""
+        status, text = http_post_json(f"{self.base_url}/pause?mode=keep&clear_cache=false", None, timeout=30)
+        if status != 200:
+            raise RuntimeError(f"POST /pause answered {status}: {text[:500]}")
+
+    def resume(self) -> None:
+        status, text = http_post_json(f"{self.base_url}/resume", None, timeout=30)
+        if status != 200:
+            raise RuntimeError(f"POST /resume answered {status}: {text[:500]}")
+
+    def ledger_document(self, timeout: float = 10.0) -> dict[str, object]:
+        """GET / on the in-engine ledger's Unix socket, as JSON."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect(str(self.ledger_socket))
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: ledger\r\nConnection: close\r\n\r\n")
+            data = b""
+            while chunk := sock.recv(1 << 16):
+                data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(f"ledger answered {head[:80]!r}")
+        return json.loads(body)  # type: ignore[no-any-return]
 
     def burst(self, **kwargs: object) -> BurstResult:
         """See :func:`run_burst` for the keyword arguments."""

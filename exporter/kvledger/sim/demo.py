@@ -1,12 +1,16 @@
-"""The demo: simulated engines served as kvledger/v1 ledgers or as a stock vLLM, plus a
-simulated GPU source.
+"""The demo: simulated engines served as kvledger/v1 ledgers, as a stock vLLM, or as stock
+SGLang, trtllm-serve, Triton (TensorRT-LLM backend) and TGI expositions, and a stock
+llama.cpp server, plus a simulated GPU source.
 
 ``start_demo()`` starts the engines, each stepping in its own thread. A ``served_as="ledger"``
 engine is served by ``ledger_server`` on 127.0.0.1 with an ephemeral port (or on Unix
 sockets) and read with ``kind: ledger``; a ``served_as="vllm"`` engine is served by a
 ``VllmFrontend`` (vLLM's /metrics, ZMQ KV events with replay, startup log) and read with
-``kind: vllm``, the way a user with an unmodified vLLM reads it; a simulated llama.cpp
-server (``SimLlamacpp``: /slots, /props, /metrics) is read with ``kind: llamacpp``. ``start_demo()`` returns
+``kind: vllm``, the way a user with an unmodified vLLM reads it; a ``served_as`` of
+``sglang``, ``trtllm``, ``triton-trtllm`` or ``tgi`` is served by that engine's frontend
+(``kvledger.sim.engine_frontends``: its /metrics only) and read with that kind's source;
+a simulated llama.cpp server (``SimLlamacpp``: /slots, /props, /metrics) is read with
+``kind: llamacpp``. ``start_demo()`` returns
 a ``Demo`` holding the ``EngineConfig`` list that points at them and the ``SimGpuSource``;
 a collector built from those exports live, moving numbers.
 """
@@ -22,6 +26,7 @@ from kvledger.config import EngineConfig, HostConfig, LimitConfig, MemoryConfig,
 from kvledger.integration.document_server import LedgerServer, serve_http, serve_unix
 from kvledger.integration.reference_ledger import PoolSpec
 from kvledger.sim.engine import GiB, SimEngine, SimProfile
+from kvledger.sim.engine_frontends import FRONTENDS, Frontend
 from kvledger.sim.gpu import SimGpuSource
 from kvledger.sim.llamacpp_server import SimLlamacpp, SimLlamacppProfile
 from kvledger.sim.vllm_frontend import VllmFrontend
@@ -32,7 +37,8 @@ MiB = 2**20
 def demo_profiles() -> list[SimProfile]:
     """A vLLM-like dynamic engine with prefix sharing and tenants, a TGI-like reserve-cap
     engine, a sliding-window engine split over two GPUs (all three with an in-engine
-    ledger), and a stock vLLM read through its /metrics and KV events only."""
+    ledger), a stock vLLM read through its /metrics and KV events only, and a stock SGLang,
+    trtllm-serve, Triton TensorRT-LLM backend and TGI read through their /metrics only."""
     return [
         SimProfile(
             name="sim-vllm",
@@ -110,6 +116,81 @@ def demo_profiles() -> list[SimProfile]:
             runtime_buffers_bytes=GiB // 2,
             served_as="vllm",
         ),
+        # Stock engines of the other kinds, read through their /metrics only (kvledger.sources):
+        # no GPUs of their own in the simulated budget, light workloads (the demo starts fast).
+        SimProfile(
+            name="sim-stock-sglang",
+            engine_kind="sglang",
+            admission="dynamic",
+            overflow="preempt-recompute",
+            pools=(PoolSpec("0", 16, 2 * MiB, 384),),  # pages of 16 tokens
+            max_model_len=4096,
+            max_num_seqs=32,
+            max_num_batched_tokens=2048,
+            step_seconds=0.1,
+            arrival_rate=4.0,
+            prompt_log_mean=5.0,
+            output_log_mean=4.5,
+            system_prompts=(512, 256, 1024),
+            system_prompt_prob=0.8,
+            raise_bound_prob=0.0,
+            gpus=(),
+            served_as="sglang",
+        ),
+        SimProfile(
+            name="sim-stock-trtllm",
+            engine_kind="trtllm",
+            admission="reserve-cap",  # GUARANTEED_NO_EVICT
+            overflow="preempt-recompute",
+            pools=(PoolSpec("0", 32, 4 * MiB, 256),),
+            max_model_len=4096,
+            max_num_seqs=32,
+            max_num_batched_tokens=4096,
+            step_seconds=0.1,
+            arrival_rate=3.0,
+            prompt_log_mean=5.5,
+            output_log_mean=4.0,
+            system_prompts=(1024, 512),
+            system_prompt_prob=0.6,
+            raise_bound_prob=0.0,
+            gpus=(),
+            served_as="trtllm",
+        ),
+        SimProfile(
+            name="sim-stock-triton",
+            engine_kind="triton-trtllm",
+            admission="reserve-cap",
+            overflow="preempt-recompute",
+            pools=(PoolSpec("0", 64, 8 * MiB, 256),),
+            max_model_len=4096,
+            max_num_seqs=16,
+            max_num_batched_tokens=4096,
+            step_seconds=0.1,
+            arrival_rate=2.0,
+            prompt_log_mean=5.5,
+            output_log_mean=4.0,
+            system_prompts=(1024,),
+            system_prompt_prob=0.5,
+            raise_bound_prob=0.0,
+            gpus=(),
+            served_as="triton-trtllm",
+        ),
+        SimProfile(
+            name="sim-stock-tgi",
+            engine_kind="tgi",
+            admission="reserve-cap",
+            overflow="reject",
+            pools=(PoolSpec("0", 16, 1 * MiB, 1024),),  # paged attention: blocks of 16 tokens
+            max_model_len=4096,
+            max_num_seqs=32,
+            max_num_batched_tokens=4096,
+            step_seconds=0.1,
+            arrival_rate=3.0,
+            output_log_mean=4.5,
+            raise_bound_prob=0.0,
+            gpus=(),
+            served_as="tgi",
+        ),
     ]
 
 
@@ -121,6 +202,7 @@ class Demo:
     servers: list[LedgerServer] = field(default_factory=list)
     socket_dir: str | None = None
     frontends: list[VllmFrontend] = field(default_factory=list)
+    exposition_frontends: list[Frontend] = field(default_factory=list)
     llamacpp: list[SimLlamacpp] = field(default_factory=list)
 
     def stop(self) -> None:
@@ -132,6 +214,8 @@ class Demo:
             server.stop()
         for frontend in self.frontends:
             frontend.stop()
+        for exposition in self.exposition_frontends:
+            exposition.stop()
         if self.socket_dir is not None:
             try:
                 os.rmdir(self.socket_dir)
@@ -188,6 +272,26 @@ def vllm_engine_config(engine: SimEngine, frontend: VllmFrontend) -> EngineConfi
     )
 
 
+def exposition_engine_config(engine: SimEngine, frontend: Frontend) -> EngineConfig:
+    """The EngineConfig a user would write for a stock engine of ``frontend.kind``: its
+    /metrics URL and what the engine does not export (token budgets, bytes per block; TGI's
+    block size)."""
+    p = engine.profile
+    return EngineConfig(
+        name=p.name,
+        kind=frontend.kind,
+        url=frontend.url,
+        timeout_seconds=2.0,
+        options=(("block_size", str(frontend.spec.block_size)),) if frontend.kind == "tgi" else (),
+        block_bytes=frontend.spec.block_bytes,
+        max_model_len=p.max_model_len,
+        max_num_seqs=p.max_num_seqs,
+        max_num_batched_tokens=p.max_num_batched_tokens,
+        processes=ProcessMatch(pids=(engine.pid,)) if engine.pid is not None else None,
+        host=HostConfig(port=frontend.port),  # these engines serve /metrics on their API port
+    )
+
+
 def llamacpp_engine_config(server: SimLlamacpp) -> EngineConfig:
     """The EngineConfig a user would write for a stock llama.cpp server (a CPU build: no GPU)."""
     return EngineConfig(
@@ -224,6 +328,7 @@ def start_demo(
     engines: list[SimEngine] = []
     servers: list[LedgerServer] = []
     frontends: list[VllmFrontend] = []
+    expositions: list[Frontend] = []
     configs: list[EngineConfig] = []
     llamas: list[SimLlamacpp] = []
     try:
@@ -240,8 +345,16 @@ def start_demo(
                 engines.append(engine.start())
                 configs.append(vllm_engine_config(engine, frontend))
                 continue
+            if profile.served_as in FRONTENDS:
+                exposition = FRONTENDS[profile.served_as](engine)
+                expositions.append(exposition)
+                exposition.start()
+                engines.append(engine.start())
+                configs.append(exposition_engine_config(engine, exposition))
+                continue
             if profile.served_as != "ledger":
-                raise ValueError(f"{profile.name}: served_as must be ledger or vllm, got {profile.served_as!r}")
+                raise ValueError(f"{profile.name}: served_as must be ledger, vllm or one of {', '.join(FRONTENDS)}, "
+                                 f"got {profile.served_as!r}")
             if socket_dir is not None:
                 server = serve_unix(engine.document, os.path.join(socket_dir, f"{profile.name}.sock"))
             else:
@@ -254,6 +367,7 @@ def start_demo(
             llamas.append(llama)
             configs.append(llamacpp_engine_config(llama))
     except BaseException:
-        Demo(configs, SimGpuSource(engines, seed=seed), engines, servers, socket_dir, frontends, llamas).stop()
+        Demo(configs, SimGpuSource(engines, seed=seed), engines, servers, socket_dir, frontends, expositions,
+             llamas).stop()
         raise
-    return Demo(configs, SimGpuSource(engines, seed=seed), engines, servers, socket_dir, frontends, llamas)
+    return Demo(configs, SimGpuSource(engines, seed=seed), engines, servers, socket_dir, frontends, expositions, llamas)

@@ -74,7 +74,9 @@ class SimProfile:
     network_queue_limit: int = 256
     include_blocks: bool = True
     leak_sweep_steps: int = 20
-    served_as: str = "ledger"  # "ledger": a kvledger/v1 document; "vllm": stock vLLM's /metrics and KV events
+    # "ledger": a kvledger/v1 document; "vllm": stock vLLM's /metrics and KV events; "sglang",
+    # "trtllm", "triton-trtllm", "tgi": that engine's /metrics (kvledger.sim.engine_frontends)
+    served_as: str = "ledger"
 
 
 @dataclass

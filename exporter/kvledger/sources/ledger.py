@@ -17,10 +17,23 @@ import hashlib
 import orjson
 
 from kvledger.config import EngineConfig
+from kvledger.facts import EngineFacts
 from kvledger.memory import release_freed_memory
 from kvledger.protocol import ProtocolError, facts_from_document
 from kvledger.sources.base import EngineContribution, Source, SourceError
 from kvledger.sources.http_client import LARGE_BODY, HttpClient
+
+
+def parse_document(body: bytes, where: str, engine: str) -> EngineFacts:
+    """The facts of a kvledger/v1 document body; SourceError ``parse`` or ``schema`` naming ``where``."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:  # also invalid UTF-8
+        raise SourceError("parse", f"{where}: document is not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    try:
+        return facts_from_document(doc, engine)
+    except ProtocolError as exc:
+        raise SourceError("schema", f"{where}: not a kvledger/v1 document: {exc}") from None
 
 
 class LedgerSource(Source):
@@ -53,18 +66,7 @@ class LedgerSource(Source):
         return contribution
 
     def _parse(self, body: bytes) -> EngineContribution:
-        try:
-            doc = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:  # also invalid UTF-8
-            raise SourceError(
-                "parse", f"{self.url}: document is not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
-            ) from None
-        try:
-            facts = facts_from_document(doc, self.cfg.name)
-        except ProtocolError as exc:
-            raise SourceError("schema", f"{self.url}: not a kvledger/v1 document: {exc}") from None
-        del doc
-        return EngineContribution(facts)
+        return EngineContribution(parse_document(body, self.url, self.cfg.name))
 
     def close(self) -> None:
         self._http.abort()

@@ -7,7 +7,8 @@ is one token (``block_size`` 1). Each slot is one KV sequence. Two layouts:
 - **split** (``-np N`` without ``--kv-unified``, kvledger's default): every slot owns
   ``n_ctx`` cells of its own stream. Capacity is the sum of the slots' ``n_ctx``; a busy
   slot holds its whole context for its request, so the engine's reservation is the sum of
-  the busy slots' ``n_ctx`` (``PoolFacts.reserved_blocks``, exact; admission reserve-cap).
+  the busy slots' ``n_ctx`` (``PoolFacts.reserved_blocks``, exact under both sharing rules:
+  no cell is shared between slots, ``shared`` 0; admission reserve-cap).
 - **unified** (``--kv-unified``, also llama-server's default when ``-np`` is not given;
   configure ``kv_unified: true``): the slots share one buffer and each slot's ``n_ctx`` is
   that buffer, unless capped (the model's training context, ``--kv-unified-per-slot``):
@@ -121,6 +122,9 @@ def _pool(slots: Sequence[Slot], unified: bool, metrics: ServerMetrics | None, b
         engine_reported_used_blocks=claim,
         running_requests=len(busy),
         reserved_blocks=None if unified else sum(s.n_ctx for s in busy),
+        # split slots are separate streams: no cell is shared, so the slots' reservation is
+        # exact under reference-aware sharing too (unified: sequences may share cells)
+        shared=None if unified else 0,
         source_violations=tuple(violations),
     )
 

@@ -4,7 +4,9 @@
 maps it with ``vllm_facts_from_metrics`` and merges the secondary sub-sources:
 - KV events: ``pool.cached_blocks`` per DP rank (None while the count cannot be trusted),
   ``kv_events`` by type and ``kv_events_lost``;
-- startup log: measured memory terms per GPU.
+- startup log: measured memory terms per GPU;
+- the in-engine ledger (``ledger:``, sources/vllm/ledger.py): exact pools and requests in
+  place of the /metrics bounds, all ranks or none.
 A change of ``process_start_time_seconds`` (the API server's own series) between two
 polls means the engine restarted: the KV-event count of the old run is dropped then, even
 before the new run publishes anything (an idle restarted engine publishes nothing).
@@ -24,6 +26,7 @@ from kvledger.facts import EngineFacts
 from kvledger.sources.base import EngineContribution, Source, SourceError, SubsourceReport
 from kvledger.sources.http_client import HttpClient
 from kvledger.sources.vllm.events_subscriber import KvEventSubscriber
+from kvledger.sources.vllm.ledger import LedgerReader, merge_ledger
 from kvledger.sources.vllm.metrics import vllm_facts_from_metrics
 from kvledger.sources.vllm.startup_log import VllmLogReader, memory_terms
 
@@ -61,6 +64,9 @@ class VllmSource(Source):
         self._log = VllmLogReader(log_file) if log_file else None
         self._log_error: str | None = "not read yet" if log_file else None
         self._started_at: float | None = None  # the engine's process_start_time_seconds
+        ledger = cfg.option("ledger")
+        self._ledger = LedgerReader(ledger, cfg) if ledger else None
+        self._ledger_error: str | None = "not read yet" if ledger else None
 
     def poll(self) -> EngineContribution:
         text = self._http.get_text()
@@ -68,7 +74,19 @@ class VllmSource(Source):
         self._note_start_time(process_start_time(text))
         facts = self._merge_events(facts)
         facts = self._merge_log(facts)
+        facts = self._merge_ledger(facts)
         return EngineContribution(facts)
+
+    def _merge_ledger(self, facts: EngineFacts) -> EngineFacts:
+        if self._ledger is None:
+            return facts
+        try:
+            merged = merge_ledger(facts, self._ledger.read([p.id for p in facts.pools]))
+        except SourceError as exc:
+            self._ledger_error = f"{exc.reason}: {exc.message}"
+            return facts  # the /metrics bounds, for every pool
+        self._ledger_error = None
+        return merged
 
     def _load_model_config(self) -> dict[str, Any] | None:
         if self.cfg.model is None or self.cfg.block_bytes is not None:
@@ -119,10 +137,14 @@ class VllmSource(Source):
             out.append(SubsourceReport("kv_events", up, reason))
         if self._log is not None:
             out.append(SubsourceReport("log", self._log_error is None, self._log_error))
+        if self._ledger is not None:
+            out.append(SubsourceReport("ledger", self._ledger_error is None, self._ledger_error))
         return out
 
     def close(self) -> None:
         self._http.abort()
+        if self._ledger is not None:
+            self._ledger.close()
         if self._events is not None:
             self._events.close()
             self._events = None

@@ -1,0 +1,165 @@
+"""The serving half of the in-engine vLLM ledger: publications in, kvledger/v1 bytes out.
+
+The engine thread calls ``publish()`` with what changed (the pool summary, budgets, and
+the rows of the requests it touched, ``None`` for a request that is gone); that costs a
+dictionary update under a lock held for no longer. The server thread calls ``render()``:
+it copies the rows under the lock, re-renders the JSON of the rows that changed since
+its last render (each row's text is kept), and joins them. Between two publications a
+render returns the same bytes without work.
+
+Standard library only: this module runs inside vLLM's EngineCore process.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvledger.integration.vllm.tracker import PoolSummary
+
+SCHEMA_ID = "kvledger/v1"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRow:
+    """One request as the ledger states it (admitted or waiting)."""
+
+    id: str
+    state: str  # running | waiting | preempted
+    prompt_tokens: int
+    max_output_tokens: int
+    generated_tokens: int
+    computed_tokens: int
+    blocks_held: int
+    tenant: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStatic:
+    """What does not change while the engine runs."""
+
+    id: str
+    block_size: int
+    block_bytes: int
+    num_blocks: int
+    sliding_window: int | None
+    speculative_slots: int
+
+
+def _dumps(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+class LedgerDocument:
+    """The kvledger/v1 document of one engine core (one data-parallel rank)."""
+
+    def __init__(self, engine: dict[str, Any], pool: PoolStatic, integration: dict[str, Any]) -> None:
+        self._lock = threading.Lock()
+        self._render_lock = threading.Lock()
+        self._head = {
+            "schema": SCHEMA_ID,
+            "engine": engine,
+            "admission": "dynamic",
+            "overflow": "preempt-recompute",
+        }
+        self._pool = pool
+        self._integration = dict(integration)
+        self._rows: dict[str, RequestRow] = {}
+        self._changed: set[str] = set()
+        self._summary: PoolSummary | None = None
+        self._budgets: dict[str, int] = {}
+        self._version = 0
+        self._published_at: float | None = None
+        self._stats: dict[str, Any] = {}
+        # owned by the render side
+        self._fragments: dict[str, str] = {}
+        self._rendered: tuple[int, bytes] | None = None
+        self.render_seconds = 0.0  # cumulative: the engine's throttle counts it
+
+    # ---------------------------------------------------------------- engine side
+    def publish(
+        self,
+        summary: PoolSummary,
+        budgets: dict[str, int],
+        rows: dict[str, RequestRow],
+        gone: set[str],
+        stats: dict[str, Any],
+    ) -> None:
+        with self._lock:
+            self._rows.update(rows)
+            for rid in gone:
+                self._rows.pop(rid, None)
+            self._changed.update(rows)
+            self._changed.update(gone)
+            self._summary = summary
+            self._budgets = budgets
+            self._stats = stats
+            self._published_at = time.time()
+            self._version += 1
+
+    @property
+    def published(self) -> bool:
+        return self._summary is not None
+
+    # ---------------------------------------------------------------- server side
+    def render(self) -> bytes:
+        """The current document as JSON bytes (a 503-worthy ``ValueError`` before the first publication)."""
+        with self._render_lock:
+            began = time.perf_counter()
+            with self._lock:
+                version = self._version
+                if self._rendered is not None and self._rendered[0] == version:
+                    return self._rendered[1]
+                if self._summary is None:
+                    raise ValueError("the engine has not scheduled yet: no ledger to serve")
+                rows = dict(self._rows)
+                changed, self._changed = self._changed, set()
+                summary, budgets, stats, published_at = self._summary, self._budgets, self._stats, self._published_at
+            fragments = self._fragments
+            for rid in changed:
+                row = rows.get(rid)
+                if row is None:
+                    fragments.pop(rid, None)
+                else:
+                    fragments[rid] = self._row_json(row)
+            body = self._document(summary, budgets, stats, published_at, fragments.values()).encode()
+            self._rendered = (version, body)
+            self.render_seconds += time.perf_counter() - began
+            return body
+
+    def _row_json(self, row: RequestRow) -> str:
+        pool = self._pool
+        tenant = "" if row.tenant is None else f',"tenant":{_dumps(row.tenant)}'
+        return (
+            f'{{"id":{_dumps(row.id)},"pool":{_dumps(pool.id)},"state":"{row.state}"{tenant},'
+            f'"prompt_tokens":{row.prompt_tokens},"max_output_tokens":{row.max_output_tokens},'
+            f'"output_bound":"cap","generated_tokens":{row.generated_tokens},'
+            f'"computed_tokens":{row.computed_tokens},"contexts":1,'
+            f'"speculative_slots":{pool.speculative_slots},"blocks_held":{row.blocks_held}}}'
+        )
+
+    def _document(
+        self,
+        summary: PoolSummary,
+        budgets: dict[str, int],
+        stats: dict[str, Any],
+        published_at: float | None,
+        fragments: Any,
+    ) -> str:
+        pool = self._pool
+        pool_doc = {
+            "id": pool.id,
+            "block_size": pool.block_size,
+            "block_bytes": pool.block_bytes,
+            "num_blocks": pool.num_blocks,
+            "sliding_window": pool.sliding_window,
+            "blocks": {"in_use": summary.in_use, "reclaimable": summary.reclaimable, "free": summary.free},
+            "references": summary.references,
+            "shared": summary.shared,
+        }
+        integration = dict(self._integration, published_at=published_at, **stats)
+        head = _dumps(dict(self._head, budgets=budgets, pools=[pool_doc], integration=integration))
+        return head[:-1] + ',"requests":[' + ",".join(fragments) + "]}"

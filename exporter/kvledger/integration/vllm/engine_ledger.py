@@ -1,0 +1,185 @@
+"""One engine core's ledger: the trackers, the throttle, the document and its server.
+
+``EngineLedger`` is what the scheduler hooks call. Its engine-thread work per step is a
+few set updates; a publication (throttled) reads the blocks and requests that changed
+and hands the result to the document, which the server thread renders on request.
+Every entry point catches everything: the first failure logs one line, stops the server
+and turns the ledger off, and the engine goes on as if it had never been there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from kvledger.integration.document_server import LedgerServer
+from kvledger.integration.vllm.document import LedgerDocument, RequestRow
+from kvledger.integration.vllm.internals import EngineView, step_facts
+from kvledger.integration.vllm.settings import Settings
+from kvledger.integration.vllm.tracker import PoolTracker, RequestTracker, Throttle
+
+logger = logging.getLogger("vllm.kvledger")
+
+
+class EngineLedger:
+    def __init__(self, view: EngineView, settings: Settings, version: str) -> None:
+        self.view = view
+        self.on = True
+        static = view.static
+        self.pool = PoolTracker(len(view.blocks), static.num_blocks, ignored=(view.null_id,))
+        self.reqs = RequestTracker()
+        self.throttle = Throttle(settings.min_interval)
+        self.known: set[str] = set()
+        self.iteration_tokens: int | None = None
+        self.publications = 0
+        self.publish_seconds = 0.0
+        self._render_seen = 0.0
+        self.document = LedgerDocument(
+            engine={"kind": "vllm", "version": version},
+            pool=static,
+            integration={"name": "kvledger-vllm", "dp_rank": view.dp_rank, "pid": os.getpid()},
+        )
+        self.reqs.touched.update(view.requests)
+        self.publish()
+        kind, where = settings.endpoint(view.dp_rank, view.dp_size)
+        self.server = self._serve(kind, where)
+        self.url = self.server.url
+        # last: from here on the pool reports what it changes (into a throwaway set once off)
+        view.wrap_pool(self._dirty, self._after_reset)
+
+    def _dirty(self) -> set[int]:
+        return self.pool.dirty if self.on else set()
+
+    def _serve(self, kind: str, where: str) -> LedgerServer:
+        if kind == "unix":
+            directory = os.path.dirname(where)
+            if directory:
+                os.makedirs(directory, exist_ok=True)
+            return LedgerServer(self.document.render, unix_path=where).start()
+        host, _, port = where.rpartition(":")
+        return LedgerServer(self.document.render, host=host, port=int(port)).start()
+
+    # ---------------------------------------------------------------- hooks (engine thread)
+    def after_schedule(self, output: Any) -> None:
+        if not self.on:
+            return
+        try:
+            scheduled, finished, preempted, tokens = step_facts(output)
+            touched = self.reqs.touched
+            touched.update(scheduled)
+            touched.update(finished)
+            if preempted:
+                touched.update(preempted)
+            self.iteration_tokens = tokens
+            if self.throttle.due(idle=self.view.is_idle()):
+                self.publish()
+        except Exception as exc:
+            self.fail("after a scheduling step", exc)
+
+    def after_update(self, output: Any) -> None:
+        """vLLM's update_from_output changed the rows of the step's requests (a token
+        generated, a request finished) after the publication of that step: read them again
+        at the next one, or a pause or an abort would publish them a step behind."""
+        if not self.on:
+            return
+        try:
+            self.reqs.touched.update(step_facts(output)[0])
+        except Exception as exc:
+            self.fail("after a model step", exc)
+
+    def after_add(self, request_id: str) -> None:
+        if self.on:
+            self.reqs.touched.add(request_id)
+
+    def after_finish(self, request_ids: Iterable[str] | None) -> None:
+        if not self.on:
+            return
+        try:
+            self.reqs.touched.update(self.known if request_ids is None else request_ids)
+            if self.view.is_idle():
+                self.publish()
+        except Exception as exc:
+            self.fail("after finishing requests", exc)
+
+    def _after_reset(self) -> None:
+        if not self.on:
+            return
+        # every block is free and uncached now; reset_prefix_cache(reset_running_requests=True)
+        # preempted every running request outside a step: publish_now re-reads every row
+        self.pool.clear()  # the publication's cross-check with vLLM's free queue still runs
+        self.publish_now("after a prefix-cache reset")
+
+    def publish_now(self, where: str) -> None:
+        """Publish outside a scheduling step (the engine paused, the cache was reset): what
+        changed is not known there (a reset preempts every running request), so every
+        request is read again."""
+        if self.on:
+            try:
+                self.reqs.touched.update(self.known)
+                self.reqs.touched.update(self.view.requests)
+                self.publish()
+            except Exception as exc:
+                self.fail(where, exc)
+
+    # ---------------------------------------------------------------- publication
+    def publish(self) -> None:
+        started = self.throttle.clock()
+        began = time.perf_counter()
+        view, pool = self.view, self.pool
+        pool.refresh(view.read_block)
+        if pool.capacity - pool.in_use != view.num_free():
+            # a change we did not see: read every block again (counted, logged once per kind)
+            if pool.resyncs == 0:
+                logger.warning(
+                    "kvledger: the ledger's in-use count (%d) disagreed with vLLM's free queue (%d free of %d); "
+                    "re-reading every block (counted in the document's integration.resyncs)",
+                    pool.in_use, view.num_free(), pool.capacity,
+                )
+            pool.resyncs += 1
+            pool.resync(view.read_block)
+        rows: dict[str, RequestRow] = {}
+        gone: set[str] = set()
+        known = self.known
+        for rid in self.reqs.take():
+            row = view.read_request(rid)
+            if row is None:
+                if rid in known:
+                    known.discard(rid)
+                    gone.add(rid)
+            else:
+                rows[rid] = row
+                known.add(rid)
+        self.publications += 1
+        render = self.document.render_seconds
+        cost = time.perf_counter() - began
+        self.publish_seconds += cost
+        stats = {
+            "publications": self.publications,
+            "publish_seconds_total": round(self.publish_seconds, 6),
+            "resyncs": pool.resyncs,
+        }
+        self.document.publish(pool.summary(), view.budgets(self.iteration_tokens), rows, gone, stats)
+        # the document thread's rendering holds the interpreter too: count it against the budget
+        self.throttle.published(started, cost + (render - self._render_seen))
+        self._render_seen = render
+
+    # ---------------------------------------------------------------- failure and shutdown
+    def fail(self, where: str, exc: BaseException) -> None:
+        self.on = False
+        logger.warning(
+            "kvledger: the vLLM ledger integration stopped %s (%s: %s); vLLM continues without it",
+            where, type(exc).__name__, exc,
+        )
+        self.close()
+
+    def close(self) -> None:
+        self.on = False
+        server = getattr(self, "server", None)
+        if server is not None:
+            try:
+                server.stop()
+            except Exception:
+                pass

