@@ -4,7 +4,8 @@ vLLM's EngineCore, with kvledger's integration enabled (docs/engines/vllm.md), s
 kvledger/v1 document per data-parallel rank at the address its ``KVLEDGER_VLLM_LEDGER``
 names; ``{dp_rank}`` in the address stands for the rank. ``LedgerReader.read(ranks)``
 fetches every rank's document in one poll (each GET bounded by the engine's timeout and
-body limit, no rank started once the timeout has passed since the first), and ``merge_ledger`` puts them in place of the bounds /metrics gives:
+body limit, no rank started once the timeout has passed since the first), and
+``merge_ledger`` puts them in place of the bounds /metrics gives:
 
 - each pool becomes the ledger's (exact in use, reclaimable, free, references, shared;
   exact block bytes), keeping what only /metrics and KV events say about it (vLLM's own
