@@ -91,3 +91,15 @@ def test_sandbox_keeps_nvml_and_proc_reachable() -> None:
     assert s.get("ProtectProc", ["default"]) == ["default"] and s.get("ProcSubset", ["all"]) == ["all"]
     assert s.get("PrivateNetwork", ["no"]) == ["no"]
     assert set(s["RestrictAddressFamilies"][0].split()) == {"AF_INET", "AF_INET6", "AF_UNIX"}  # HTTP, ZMQ, ledger sockets
+
+
+def test_sysusers_file_creates_the_user(tmp_path: Path) -> None:
+    """systemd-sysusers applies the file in a scratch root: a system user without a login."""
+    sysusers = shutil.which("systemd-sysusers")
+    assert sysusers, "systemd-sysusers is required (Debian package systemd; make system-deps)"
+    (tmp_path / "etc" / "sysusers.d").mkdir(parents=True)
+    shutil.copy(SYSUSERS, tmp_path / "etc" / "sysusers.d" / "kvledger.conf")
+    proc = subprocess.run([sysusers, f"--root={tmp_path}", "kvledger.conf"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    (entry,) = [ln.split(":") for ln in (tmp_path / "etc" / "passwd").read_text().splitlines() if ln.startswith("kvledger:")]
+    assert int(entry[2]) < 1000 and entry[5:] == ["/nonexistent", "/usr/sbin/nologin"]
