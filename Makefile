@@ -25,8 +25,10 @@ $(RUNTIME_STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# make demo FAULT=reserve-overcommit: the demo with a fault (README, "See an alert fire in five minutes")
+FAULT ?=
 demo: $(RUNTIME_STAMP)
-	$(VENV)/bin/kvledger demo --listen $(LISTEN)
+	$(VENV)/bin/kvledger demo --listen $(LISTEN)$(if $(FAULT), --fault $(FAULT))
 
 # Debian packages the tests drive for real: Prometheus (promtool), Alertmanager (amtool), gcc, openssl (test
 # certificates), systemd (systemd-analyze verify). Debian's Alertmanager binary is prometheus-alertmanager: either

@@ -135,6 +135,8 @@ def test_the_alert_sink_answers_for_the_webhooks_alertmanager_names() -> None:
     assert {h.partition(":")[0] for h in hosts} <= set(sink["networks"]["default"]["aliases"])
     assert {h.partition(":")[2] for h in hosts} == {"8080"}
     assert sink["entrypoint"][-2:] == ["--listen", "0.0.0.0:8080"]
+    # it runs the kvledger image, and builds it like the exporter (nothing pulls an image no registry has)
+    assert sink["image"] == resolved()["services"]["kvledger"]["image"] and sink["build"]["context"] == str(ROOT)
 
 
 def test_grafana_is_provisioned_with_the_compose_prometheus_and_the_dashboards() -> None:

@@ -80,12 +80,17 @@ def image() -> Iterator[dict[str, object]]:
     buildah("rmi", "--force", IMAGE, check=False)
 
 
-def run_in(image_name: str, script: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    container = buildah("from", "--quiet", image_name).stdout.strip()
-    try:
-        return buildah("run", "--isolation", "chroot", container, "--", "sh", "-c", script, timeout=timeout, check=False)
-    finally:
-        buildah("rm", container, check=False)
+@pytest.fixture(scope="module")
+def container(image: dict[str, object]) -> Iterator[str]:
+    """A working container of the image (one for all checks: vfs copies the image per container)."""
+    name = buildah("from", "--quiet", IMAGE).stdout.strip()
+    yield name
+    buildah("rm", name, check=False)
+
+
+def run_in(container: str, script: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``sh -c SCRIPT`` in the container, as the image's user (buildah run applies USER)."""
+    return buildah("run", "--isolation", "chroot", container, "--", "sh", "-c", script, timeout=timeout, check=False)
 
 
 def test_image_config(image: dict[str, object]) -> None:
@@ -97,14 +102,14 @@ def test_image_config(image: dict[str, object]) -> None:
     assert "KVLEDGER_HEALTH_URL=http://127.0.0.1:9477/-/healthy" in config["Env"]
 
 
-def test_image_runs_as_its_user_with_runtime_dependencies_only(image: dict[str, object]) -> None:
-    proc = run_in(IMAGE, "id -u; kvledger --version; "
+def test_image_runs_as_its_user_with_runtime_dependencies_only(container: str) -> None:
+    proc = run_in(container, "id -u; kvledger --version; "
                   "python3 -c 'import importlib.util as u; print([m for m in (\"pytest\", \"hypothesis\", \"mypy\", \"grafanalib\", \"pip\") if u.find_spec(m)])'")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.splitlines() == ["65532", "kvledger 0.1.0", "[]"]
 
 
-def test_healthcheck_passes_against_the_demo(image: dict[str, object]) -> None:
+def test_healthcheck_passes_against_the_demo(image: dict[str, object], container: str) -> None:
     """The HEALTHCHECK's own command, as Docker runs it, against `kvledger demo` in the image."""
     test = image["Docker"]["config"]["Healthcheck"]["Test"]  # type: ignore[index]
     port = free_port()
@@ -113,10 +118,22 @@ def test_healthcheck_passes_against_the_demo(image: dict[str, object]) -> None:
               f"export KVLEDGER_HEALTH_URL=http://127.0.0.1:{port}/-/healthy; ok=no; "
               f"for i in $(seq 1 40); do if {check}; then ok=yes; break; fi; sleep 0.25; done; "
               f"echo healthy=$ok; kill $pid; wait $pid; echo exit=$?; head -1 /tmp/demo.log")
-    proc = run_in(IMAGE, script)
+    proc = run_in(container, script)
     lines = proc.stdout.splitlines()
     assert lines[:2] == ["healthy=yes", "exit=0"], proc.stdout + proc.stderr
     assert f"metrics on http://127.0.0.1:{port}/metrics" in lines[2]
     # and it fails when nothing serves: Docker would mark the container unhealthy
-    dead = run_in(IMAGE, f"KVLEDGER_HEALTH_URL=http://127.0.0.1:{free_port()}/-/healthy {check}; echo exit=$?")
+    dead = run_in(container, f"KVLEDGER_HEALTH_URL=http://127.0.0.1:{free_port()}/-/healthy {check}; echo exit=$?")
     assert dead.stdout.strip().splitlines()[-1] != "exit=0"
+
+
+
+def test_image_adds_little_to_its_base(container: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Runtime dependencies only: the venv (all the image adds to its base) is well under 150 MiB."""
+    proc = run_in(container, "du -sb /opt/kvledger | cut -f1")
+    assert proc.returncode == 0, proc.stderr
+    added = int(proc.stdout.strip())
+    base = json.loads(buildah("images", "--json", BASE).stdout)[0]["size"]
+    with capsys.disabled():
+        print(f"\nthe image adds {added / 2**20:.0f} MiB (/opt/kvledger) to its base ({base})")
+    assert 0 < added < 150 * 2**20

@@ -263,4 +263,4 @@ def test_images_and_users_match_the_dockerfile_and_the_package() -> None:
         probes = {kvledger["livenessProbe"]["httpGet"]["path"], kvledger["readinessProbe"]["httpGet"]["path"]}
         assert probes == {"/-/healthy", "/-/ready"}
     compose = yaml.safe_load((ROOT / "deploy" / "compose" / "compose.yaml").read_text())
-    assert compose["x-kvledger"]["image"] == f"kvledger:{version}"
+    assert compose["x-kvledger-image"]["image"] == f"kvledger:{version}"

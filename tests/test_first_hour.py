@@ -210,7 +210,10 @@ def test_make_demo_installs_only_the_runtime_dependencies(tmp_path: Path) -> Non
     assert res.returncode == 0, res.stderr
     installs = [ln for ln in res.stdout.splitlines() if " install " in ln and "-e" in ln]
     assert installs and all("[test]" not in ln and ".[" not in ln for ln in installs), res.stdout
-    assert re.search(r"kvledger demo --listen", res.stdout), res.stdout
+    assert re.search(r"kvledger demo --listen \S+\n", res.stdout), res.stdout
+    faulty = subprocess.run([MAKE, "--no-print-directory", "-n", "-C", str(ROOT), "demo", f"VENV={tmp_path / 'venv'}",
+                             "FAULT=reserve-overcommit"], capture_output=True, text=True, timeout=60)
+    assert re.search(r"kvledger demo --listen \S+ --fault reserve-overcommit\n", faulty.stdout), faulty.stdout
 
 
 # ---------------------------------------------------------------- the README
