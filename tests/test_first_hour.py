@@ -180,7 +180,8 @@ def _system_deps(bin_dir: Path) -> subprocess.CompletedProcess[str]:
                           text=True, env={"PATH": str(bin_dir), "HOME": str(bin_dir)}, timeout=60)
 
 
-DEBIAN = ["prometheus", "promtool", "prometheus-alertmanager", "amtool", "gcc", "openssl", "systemd-analyze"]
+DEBIAN = ["prometheus", "promtool", "prometheus-alertmanager", "amtool", "gcc", "openssl", "systemd-analyze", "chromium",
+          "chromedriver"]
 
 
 def test_system_deps_accepts_debians_alertmanager_name(tmp_path: Path) -> None:
@@ -193,7 +194,8 @@ def test_system_deps_accepts_debians_alertmanager_name(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("absent", "package"), [("prometheus-alertmanager", "prometheus-alertmanager"),
-                                                 ("systemd-analyze", "systemd"), ("gcc", "gcc")])
+                                                 ("systemd-analyze", "systemd"), ("gcc", "gcc"),
+                                                 ("chromedriver", "chromium-driver")])
 def test_system_deps_installs_what_is_missing(tmp_path: Path, absent: str, package: str) -> None:
     _fake_tools(tmp_path / "bin", [t for t in DEBIAN if t != absent])
     res = _system_deps(tmp_path / "bin")
