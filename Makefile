@@ -4,34 +4,47 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 STAMP   = $(VENV)/.installed
+# the runtime dependencies alone (make demo): no test tools in a venv that only runs the demo
+RUNTIME_STAMP = $(VENV)/.installed-runtime
 SUDO    = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 LISTEN ?= 127.0.0.1:9477
 
-.PHONY: demo test test-fast lint test-vllm test-llamacpp fuzz system-deps venv dashboards dashboards-check alerts previews bench clean golden
+.PHONY: demo test test-fast lint test-vllm test-llamacpp test-image image-deps fuzz system-deps venv dashboards dashboards-check alerts kubernetes crd-schemas previews bench clean golden
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[test]'
-	touch $(STAMP)
+	touch $(STAMP) $(RUNTIME_STAMP)
+
+$(RUNTIME_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e .
+	touch $(RUNTIME_STAMP)
 
 venv: $(STAMP)
 
-demo: $(STAMP)
-	$(VENV)/bin/kvledger demo --listen $(LISTEN)
+# make demo FAULT=reserve-overcommit: the demo with a fault (README, "See an alert fire in five minutes")
+FAULT ?=
+demo: $(RUNTIME_STAMP)
+	$(VENV)/bin/kvledger demo --listen $(LISTEN)$(if $(FAULT), --fault $(FAULT))
 
-# Debian packages the tests drive for real: Prometheus (promtool), Alertmanager (amtool), gcc, openssl (test certificates),
-# g++ (the real llama.cpp server is built from source: tests/llamacpp_real/setup_env.sh),
-# Chromium and its WebDriver (the pages' browser tests and previews).
+# Debian packages the tests drive for real: Prometheus (promtool), Alertmanager (amtool), gcc, openssl (test
+# certificates), g++ (the real llama.cpp server is built from source: tests/llamacpp_real/setup_env.sh), systemd
+# (systemd-analyze verify), Chromium and its WebDriver (the pages' browser tests and previews). Debian's
+# Alertmanager binary is prometheus-alertmanager: either name counts, so apt-get runs only when something is
+# missing. (hadolint, docker-compose and the Kubernetes schema checkers come with the test extra: pip.)
 system-deps:
 	@missing=""; \
 	command -v prometheus   >/dev/null || missing="$$missing prometheus"; \
 	command -v promtool     >/dev/null || missing="$$missing prometheus"; \
-	command -v alertmanager >/dev/null || missing="$$missing prometheus-alertmanager"; \
+	command -v alertmanager >/dev/null || command -v prometheus-alertmanager >/dev/null || missing="$$missing prometheus-alertmanager"; \
 	command -v amtool       >/dev/null || missing="$$missing prometheus-alertmanager"; \
 	command -v gcc          >/dev/null || missing="$$missing gcc"; \
 	command -v g++          >/dev/null || missing="$$missing g++"; \
 	command -v openssl      >/dev/null || missing="$$missing openssl"; \
+	command -v systemd-analyze >/dev/null || missing="$$missing systemd"; \
 	command -v chromium     >/dev/null || missing="$$missing chromium"; \
 	command -v chromedriver >/dev/null || missing="$$missing chromium-driver"; \
 	if [ -n "$$missing" ]; then \
@@ -43,7 +56,7 @@ test: $(STAMP) system-deps
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not e2e and not vllm and not llamacpp"
+	$(PY) -m pytest -q -m "not e2e and not vllm and not llamacpp and not image"
 
 # The type gate by hand (the tests run it too: tests/test_type_gate.py).
 lint: $(STAMP)
@@ -75,6 +88,34 @@ dashboards-check: $(STAMP)
 
 alerts: $(STAMP)
 	$(PY) alerts/generate.py
+
+# The Kubernetes manifests that repeat repository files: the PrometheusRule (alerts/) and the
+# dashboards ConfigMap (dashboards/json); run after `make alerts` or `make dashboards`.
+kubernetes: $(STAMP)
+	$(PY) deploy/kubernetes/generate.py
+
+# Re-vendor the prometheus-operator schemas (deploy/kubernetes/schemas) from the pinned PyPI
+# package, in a throwaway venv: the package installs a pytest plugin, so it stays out of .venv.
+CRD_MODELS ?= cloudcoil-models-prometheus-operator==0.80.1.0
+crd-schemas:
+	$(PYTHON) -m venv tests/_build/crd-venv
+	tests/_build/crd-venv/bin/pip install -q '$(CRD_MODELS)'
+	tests/_build/crd-venv/bin/python deploy/kubernetes/schemas/vendor.py
+
+# The container image built and run for real (tests/test_deploy_image.py): buildah builds the
+# Dockerfile on a Debian bookworm base made by debootstrap from Debian's packages (no registry
+# holds base images here), then the image's user, entrypoint, health check and demo are checked.
+image-deps:
+	@missing=""; \
+	command -v buildah     >/dev/null || missing="$$missing buildah"; \
+	command -v debootstrap >/dev/null || missing="$$missing debootstrap"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+test-image: $(STAMP) image-deps
+	$(PY) -m pytest -q -m image tests/test_deploy_image.py
 
 previews: $(STAMP) system-deps
 	$(PY) dashboards/render_previews.py

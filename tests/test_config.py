@@ -180,3 +180,62 @@ def test_check_never_says_valid_before_failing(
     assert main(["check", "--config", str(path)]) == 2
     out = capsys.readouterr()
     assert "valid" not in out.out and "has no adapter" in out.err
+
+
+# ---------------------------------------------------------------- first-hour frictions (issue 13)
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        # a typo of a required nested key names the unknown key, not only the missing one
+        ("engines:\n  - {name: a, kind: vllm, url: 'http://x', tenants: [{name: t, quota_byte: 1GiB}]}\n",
+         "engines[0].tenants[0]: unknown key(s): quota_byte (did you mean quota_bytes?); quota_bytes is required"),
+        ("engines:\n  - {name: a, kind: vllm, url: 'http://x', tenants: [{name: t, quota: 1GiB}]}\n",
+         "engines[0].tenants[0]: unknown key(s): quota (did you mean quota_bytes?); quota_bytes is required"),
+        ("engines:\n  - {name: a, kind: vllm, ulr: 'http://x'}\n",
+         "engines[0]: unknown key(s): ulr (did you mean url?); url is required"),
+        ("engines:\n  - {nmae: a, kind: vllm, url: 'http://x'}\n",
+         "engines[0]: unknown key(s): nmae (did you mean name?); name is required"),
+        ("engines:\n  - {name: a, kind: vllm, url: 'http://x', memory: {reserve_bytes: {valu: 2GiB}}}\n",
+         "engines[0].memory.reserve_bytes: unknown key(s): valu (did you mean value?); value is required"),
+        ("engines:\n  - {name: a, kind: vllm, url: 'http://x', host: {output_buffer_limit_bytes: {vaule: 1, kind: hard}}}\n",
+         "engines[0].host.output_buffer_limit_bytes: unknown key(s): vaule (did you mean value?); value is required"),
+        ("engines:\n  - {name: a, kind: vllm, url: 'http://x', model: {confg: c.json}}\n",
+         "engines[0].model: unknown key(s): confg (did you mean config?); config is required"),
+        ("otlp: {endpiont: 'http://c:4318'}\n", "otlp: unknown key(s): endpiont (did you mean endpoint?); endpoint is required"),
+        # a key that resembles nothing is still named
+        ("engines:\n  - {name: a, kind: vllm, url: 'http://x', tenants: [{name: t, limit: 1GiB}]}\n",
+         "engines[0].tenants[0]: unknown key(s): limit; quota_bytes is required"),
+        # unknown keys elsewhere get the hint too; a wholly missing key is still just "is required"
+        ("engnes: []\n", "<top>: unknown key(s): engnes (did you mean engines?)"),
+        ("engines:\n  - {name: a, kind: vllm, url: 'http://x', timout_seconds: 1}\n",
+         "engines[0]: unknown key(s): timout_seconds (did you mean timeout_seconds?)"),
+        ("engines:\n  - {name: a, kind: vllm, url: 'http://x', kv_event: 'tcp://x:1'}\n",
+         "engines[0]: unknown key(s): kv_event (did you mean kv_events?)"),
+        ("engines:\n  - {name: a, kind: vllm, url: 'http://x', tenants: [{name: t}]}\n", "engines[0].tenants[0].quota_bytes: is required"),
+    ],
+)
+def test_unknown_nested_keys_are_named(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_config(write(tmp_path, text))
+    assert str(exc.value) == f"{tmp_path / 'kvledger.yml'}: {message}"
+
+
+@pytest.mark.parametrize(
+    ("text", "warnings"),
+    [
+        ("", ["the file is empty: every setting is at its default",
+              "no engines configured (engines: is missing or empty): nothing to account; only the GPUs (NVML) "
+              "and kvledger's own health are exported"]),
+        ("engines: []\n", ["no engines configured (engines: is missing or empty): nothing to account; only the GPUs "
+                           "(NVML) and kvledger's own health are exported"]),
+        ("nvml: {enabled: false}\n", ["no engines configured (engines: is missing or empty): nothing to account; "
+                                      "only kvledger's own health is exported"]),
+        (GOOD, []),
+    ],
+    ids=["empty-file", "no-engines", "nothing-at-all", "good"],
+)
+def test_valid_but_empty_configurations_warn(tmp_path: Path, text: str, warnings: list[str]) -> None:
+    path = write(tmp_path, text)
+    assert list(load_config(path).warnings) == [f"{path}: {w}" for w in warnings]
+

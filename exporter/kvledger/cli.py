@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import difflib
 import json
 import logging
+import math
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from kvledger import __version__
 from kvledger.collector import Collector
@@ -49,7 +52,9 @@ def _run_until_signal(
     otlp_endpoint: str | None = None,
     reload: Callable[[KvledgerHTTPServer], None] | None = None,
     web_config_file: str | None = None,
+    announce: Callable[[KvledgerHTTPServer], None] | None = None,
 ) -> int:
+    """Bind ``listen``, then (only once bound) ``announce`` and serve until SIGTERM/SIGINT."""
     try:
         server = KvledgerHTTPServer(listen, collector, json_view=json_view, web_config_file=web_config_file)
     except ConfigError:
@@ -84,6 +89,8 @@ def _run_until_signal(
         from kvledger.otlp_output import OtlpOutput
 
         otlp = OtlpOutput(otlp_endpoint, collector.latest)
+    if announce is not None:
+        announce(server)
     collector.start()
     server.start()
     log.info("kvledger %s serving on %s/metrics", __version__, server.url)
@@ -112,6 +119,8 @@ def _run_until_signal(
 
 def cmd_serve(args: argparse.Namespace) -> int:
     config = load_config(args.config)
+    for warning in config.warnings:
+        log.warning("%s", warning)
     collector = _collector(config)
     running = [config]
 
@@ -156,16 +165,22 @@ FAULT_TARGETS = {
 }
 
 
+class FaultError(ValueError):
+    """A --fault value the demo cannot apply; the message is complete (no prefix to add)."""
+
+
 def parse_faults(values: Sequence[str]) -> dict[str, str]:
     """``MODE`` (applied to its usual engine) or ``ENGINE=MODE``; ``none`` for no fault."""
     faults: dict[str, str] = {}
     for value in values:
         engine, sep, mode = value.rpartition("=")
+        if mode not in FAULT_TARGETS and mode != "none":
+            close = difflib.get_close_matches(mode, [*FAULT_TARGETS, "none"], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise FaultError(f"--fault {value}: unknown mode {mode!r} (modes: none, {', '.join(FAULT_TARGETS)}){hint}")
         if not sep:
             if mode == "none":
                 continue
-            if mode not in FAULT_TARGETS:
-                raise ConfigError(f"--fault: unknown mode {mode!r} (one of none, {', '.join(FAULT_TARGETS)})")
             engine = FAULT_TARGETS[mode]
         faults[engine] = mode
     return faults
@@ -176,9 +191,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from kvledger.sim.demo import start_demo
 
     try:
-        demo = start_demo(faults=parse_faults(args.fault), seed=args.seed)
-    except ValueError as exc:
-        raise ConfigError(f"--fault: {exc}") from None
+        faults = parse_faults(args.fault)
+        demo = start_demo(faults=faults, seed=args.seed)
+    except FaultError as exc:
+        print(f"kvledger demo: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # an ENGINE=MODE naming no simulated engine
+        print(f"kvledger demo: --fault: {exc}", file=sys.stderr)
+        return 2
     config = Config(
         listen=args.listen,
         interval_seconds=args.interval,
@@ -188,56 +208,101 @@ def cmd_demo(args: argparse.Namespace) -> int:
         json_view=True,
     )
     collector = _collector(config, extra=[demo.gpu_source])
-    print(f"kvledger demo: simulated engines {', '.join(e.name for e in demo.engine_configs)} and "
-          f"simulated GPUs; metrics on {args.listen}/metrics (Ctrl-C stops)", flush=True)
-    return _run_until_signal(collector, args.listen, True, on_stop=demo.stop, web_config_file=args.web_config_file)
+
+    def announce(server: KvledgerHTTPServer) -> None:  # printed once the port is ours, never before
+        print(f"kvledger demo: simulated engines {', '.join(e.name for e in demo.engine_configs)} and "
+              f"simulated GPUs; metrics on {server.url}/metrics (Ctrl-C stops)", flush=True)
+
+    return _run_until_signal(collector, args.listen, True, on_stop=demo.stop, web_config_file=args.web_config_file,
+                             announce=announce)
+
+
+def format_value(value: float) -> str:
+    """A sample as exact text: integers in full (bytes, blocks, counts; never 2.14748e+10),
+    other numbers with every digit that identifies them (timestamps, ratios)."""
+    if isinstance(value, int):
+        return str(value)
+    if math.isfinite(value) and value.is_integer():
+        return str(int(value))
+    return repr(float(value))
+
+
+def _source_lines(collector: Collector) -> list[str]:
+    """One line per source: up, or DOWN with its reason and message (each failure once)."""
+    lines = []
+    for h, message in collector.health():
+        state = "up" if h.up else f"DOWN ({h.reason}): {message}"
+        lines.append(f"  {h.engine or '-':20s} {h.source:10s} {state}")
+    return lines
 
 
 def _print_table(accounts: Accounts, collector: Collector) -> None:
     view = accounts_to_json(accounts, collector)
     print("sources:")
-    for s in view["sources"]:
-        state = "up" if s["up"] else f"DOWN ({s['reason']}): {s['message']}"
-        print(f"  {s['engine'] or '-':20s} {s['source']:10s} {state}")
+    print("\n".join(_source_lines(collector)))
     for name, samples in view["metrics"].items():
         for sample in samples:
             labels = ",".join(f'{k}="{v}"' for k, v in sample["labels"].items())
-            print(f"{name}{{{labels}}} {sample['value']:g}")
+            print(f"{name}{{{labels}}} {format_value(sample['value'])}")
+
+
+@contextlib.contextmanager
+def _one_shot_logging(args: argparse.Namespace) -> Iterator[None]:
+    """snapshot and check print every source's failure once, in their own output: the
+    collector's "source down" warnings (the same failure again, on stderr) are held back
+    unless --log-level debug asks for everything."""
+    collector_log = logging.getLogger("kvledger.collector")
+    previous = collector_log.level
+    if args.log_level != "debug":
+        collector_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        collector_log.setLevel(previous)
+
+
+def _warn_config(config: Config) -> None:
+    for warning in config.warnings:
+        print(f"kvledger: warning: {warning}", file=sys.stderr)
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    collector = _collector(config)
-    try:
-        accounts = collector.poll_once()
-        if args.json:
-            print(json.dumps(accounts_to_json(accounts, collector), indent=1))
-        else:
-            _print_table(accounts, collector)
-        failed = [(h, m) for h, m in collector.health() if not h.up]
-        for h, m in failed:
-            print(f"kvledger: source {h.engine or '-'}/{h.source} failed ({h.reason}): {m}", file=sys.stderr)
-        return 1 if failed else 0
-    finally:
-        collector.stop()
+    _warn_config(config)
+    with _one_shot_logging(args):
+        collector = _collector(config)
+        try:
+            accounts = collector.poll_once()
+            if args.json:
+                print(json.dumps(accounts_to_json(accounts, collector), indent=1))
+            else:
+                _print_table(accounts, collector)
+            failed = sum(1 for h, _ in collector.health() if not h.up)
+            if failed:
+                print(f"kvledger: {failed} of {len(collector.health())} source(s) down (see above)", file=sys.stderr)
+            return 1 if failed else 0
+        finally:
+            collector.stop()
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    collector = _collector(config)  # builds every source: a configuration it cannot use fails here
-    print(f"{args.config}: configuration is valid ({len(config.engines)} engine(s), sharing={config.sharing})")
-    try:
-        collector.poll_once()
-        bad = 0
-        for h, message in collector.health():
-            if h.up:
-                print(f"  ok    {h.engine or '-'}/{h.source}")
-            else:
-                bad += 1
-                print(f"  FAIL  {h.engine or '-'}/{h.source}: {h.reason}: {message}")
-        return 1 if bad else 0
-    finally:
-        collector.stop()
+    _warn_config(config)
+    with _one_shot_logging(args):
+        collector = _collector(config)  # builds every source: a configuration it cannot use fails here
+        print(f"{args.config}: configuration is valid ({len(config.engines)} engine(s), sharing={config.sharing})")
+        try:
+            collector.poll_once()
+            bad = 0
+            for h, message in collector.health():
+                if h.up:
+                    print(f"  ok    {h.engine or '-'}/{h.source}")
+                else:
+                    bad += 1
+                    print(f"  FAIL  {h.engine or '-'}/{h.source}: {h.reason}: {message}")
+            return 1 if bad else 0
+        finally:
+            collector.stop()
 
 
 def serve_lab(listen: str, web_config_file: str | None, query: str = "") -> int:

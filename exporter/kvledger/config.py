@@ -12,10 +12,11 @@ token budgets (``max_model_len`` ...) in 1 .. 2**30. A ``unix:`` URL is
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -159,6 +160,8 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     #: exporter-toolkit web-config.yml (TLS, basic auth); relative to the config file's directory
     web_config_file: str | None = None
+    #: what is valid but probably not meant (an empty file, no engines); the commands print or log them
+    warnings: tuple[str, ...] = field(default=(), compare=False)
 
 
 # ---------------------------------------------------------------- value parsers
@@ -241,15 +244,20 @@ L = TypeVar("L", bound=str)
 
 
 class _Reader:
-    """Walks a mapping, recording which keys were read, and names the key path in errors."""
+    """Walks a mapping, recording which keys were read, and names the key path in errors.
 
-    def __init__(self, file: str, path: str, data: object) -> None:
+    ``keys``, when given, are the keys the mapping may hold: a missing required key is
+    then reported together with the unknown keys given instead (a typo of it, mostly).
+    Without them, unread keys that look like the missing one are named."""
+
+    def __init__(self, file: str, path: str, data: object, keys: Iterable[str] = ()) -> None:
         self.file = file
         self.path = path
         if not isinstance(data, Mapping):
             raise self.error(f"expected a mapping, got {type(data).__name__}")
         self.data: Mapping[str, Any] = data
         self.seen: set[str] = set()
+        self.keys = frozenset(keys)
 
     def error(self, message: str, key: str | None = None) -> ConfigError:
         where = self.path if key is None else (f"{self.path}.{key}" if self.path else key)
@@ -267,6 +275,13 @@ class _Reader:
 
     def require(self, key: str, conv: Callable[[Any], T]) -> T:
         if key not in self.data or self.data[key] is None:
+            if self.keys:
+                unknown = self._unknown(self.keys | self.seen)
+            else:  # keys not declared: name only the unread keys that look like this one
+                unread = [str(k) for k in self.data if k not in self.seen]
+                unknown = sorted(difflib.get_close_matches(key, unread, n=3, cutoff=0.6))
+            if unknown:
+                raise self.error(f"{self._unknown_message(unknown, {key})}; {key} is required")
             raise self.error("is required", key)
         self.seen.add(key)
         return self._convert(key, conv)
@@ -279,16 +294,29 @@ class _Reader:
         except (ValueError, TypeError) as exc:
             raise self.error(str(exc), key) from None
 
-    def child(self, key: str) -> _Reader | None:
+    def child(self, key: str, keys: Iterable[str] = ()) -> _Reader | None:
         self.seen.add(key)
         if key not in self.data or self.data[key] is None:
             return None
-        return _Reader(self.file, f"{self.path}.{key}" if self.path else key, self.data[key])
+        return _Reader(self.file, f"{self.path}.{key}" if self.path else key, self.data[key], keys)
+
+    def _unknown(self, known: Iterable[str]) -> list[str]:
+        known = set(known)
+        return sorted(str(k) for k in self.data if k not in known)
+
+    def _unknown_message(self, unknown: list[str], valid: Iterable[str]) -> str:
+        """"unknown key(s): a (did you mean b?), c" — the hint names the closest valid key."""
+        candidates = sorted(set(valid) - {str(k) for k in self.data})
+        named = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+            named.append(f"{name} (did you mean {close[0]}?)" if close else name)
+        return f"unknown key(s): {', '.join(named)}"
 
     def finish(self) -> None:
-        unknown = sorted(str(k) for k in self.data if k not in self.seen)
+        unknown = self._unknown(self.seen)
         if unknown:
-            raise self.error(f"unknown key(s): {', '.join(unknown)}")
+            raise self.error(self._unknown_message(unknown, self.keys | self.seen))
 
 
 def _choice(options: tuple[L, ...]) -> Callable[[Any], L]:
@@ -381,7 +409,7 @@ def _size_with_source(r: _Reader, key: str) -> SizeWithSource | None:
         r.seen.add(key)
         return None
     if isinstance(raw, Mapping):
-        c = r.child(key)
+        c = r.child(key, ("value", "source"))
         assert c is not None
         out = SizeWithSource(c.require("value", parse_size), c.get("source", _choice(TERM_SOURCES), "configured"))
         c.finish()
@@ -395,7 +423,7 @@ def _limit(r: _Reader, key: str, conv: Callable[[Any], float]) -> LimitConfig | 
         r.seen.add(key)
         return None
     if isinstance(raw, Mapping):
-        c = r.child(key)
+        c = r.child(key, ("value", "kind"))
         assert c is not None
         out = LimitConfig(float(c.require("value", conv)), c.get("kind", _choice(LIMIT_KINDS), "hard"))
         c.finish()
@@ -424,19 +452,19 @@ def _engine(r: _Reader, names: set[str]) -> EngineConfig:
         raise r.error(", ".join(f"{k} is for kind {owners[k]} only" for k in foreign) + f" (this engine is kind {kind})")
     url = r.require("url", _url)
     model = None
-    if (m := r.child("model")) is not None:
+    if (m := r.child("model", ("config", "kv_dtype", "tensor_parallel"))) is not None:
         model = ModelDerivation(
             m.require("config", _str), m.get("kv_dtype", _str, "auto"), m.get("tensor_parallel", _pos_int, 1)
         )
         m.finish()
     processes = None
-    if (p := r.child("processes")) is not None:
+    if (p := r.child("processes", ("match", "pids"))) is not None:
         processes = ProcessMatch(p.get("match", _str, None), p.get("pids", _int_list, ()))
         p.finish()
         if processes.match is None and not processes.pids:
             raise r.error("needs 'match' or 'pids'", "processes")
     memory = MemoryConfig()
-    if (mem := r.child("memory")) is not None:
+    if (mem := r.child("memory", _MEMORY_KEYS)) is not None:
         terms = {}
         for key, category in _MEMORY_KEYS.items():
             term = _size_with_source(mem, key)
@@ -445,7 +473,7 @@ def _engine(r: _Reader, names: set[str]) -> EngineConfig:
         mem.finish()
         memory = MemoryConfig(terms)
     host = HostConfig()
-    if (h := r.child("host")) is not None:
+    if (h := r.child("host", ("port", "output_buffer_limit_bytes", "network_queue_limit"))) is not None:
         port = h.get("port", _pos_int, None)
         if port is not None and port > 65535:
             raise h.error("must be a TCP port (1-65535)", "port")
@@ -461,7 +489,7 @@ def _engine(r: _Reader, names: set[str]) -> EngineConfig:
     if not isinstance(raw_tenants, list):
         raise r.error("expected a list of {name, quota_bytes}", "tenants")
     for i, raw in enumerate(raw_tenants):
-        t = _Reader(r.file, f"{r.path}.tenants[{i}]", raw)
+        t = _Reader(r.file, f"{r.path}.tenants[{i}]", raw, ("name", "quota_bytes"))
         tenants.append(TenantConfig(t.require("name", _str), t.require("quota_bytes", parse_size)))
         t.finish()
     if len({t.name for t in tenants}) != len(tenants):
@@ -510,7 +538,7 @@ def config_from_mapping(data: object, file: str = "<config>") -> Config:
         n.finish()
     json_view = top.get("json_view", _bool, False)
     otlp = None
-    if (o := top.child("otlp")) is not None:
+    if (o := top.child("otlp", ("endpoint",))) is not None:
         otlp = o.require("endpoint", _url)
         o.finish()
     limits = LimitsConfig()
@@ -529,9 +557,23 @@ def config_from_mapping(data: object, file: str = "<config>") -> Config:
     if not isinstance(raw_engines, list):
         raise top.error("expected a list of engines", "engines")
     names: set[str] = set()
-    engines = tuple(_engine(_Reader(file, f"engines[{i}]", raw), names) for i, raw in enumerate(raw_engines))
+    engines = tuple(_engine(_Reader(file, f"engines[{i}]", raw, _engine_keys()), names) for i, raw in enumerate(raw_engines))
     top.finish()
-    return Config(listen, interval, sharing, nvml, engines, json_view, otlp, file, limits, web_config_file)
+    warnings = []
+    if not top.data:
+        warnings.append(f"{file}: the file is empty: every setting is at its default")
+    if not engines:
+        exported = "the GPUs (NVML) and kvledger's own health are" if nvml.enabled != "false" else "kvledger's own health is"
+        warnings.append(f"{file}: no engines configured (engines: is missing or empty): nothing to account; only {exported} exported")
+    return Config(listen, interval, sharing, nvml, engines, json_view, otlp, file, limits, web_config_file,
+                  tuple(warnings))
+
+
+def _engine_keys() -> frozenset[str]:
+    """Every key an engine entry may hold: EngineConfig's fields (``options`` stands for
+    the kinds' own keys, checked against the engine's kind by ``_engine``)."""
+    general = {f.name for f in fields(EngineConfig)} - {"options"}
+    return frozenset(general | set(kind_specific_keys()))
 
 
 def _response_limit(value: Any) -> int:

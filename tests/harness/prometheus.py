@@ -35,22 +35,33 @@ class PrometheusAPIError(RuntimeError):
     """The HTTP API answered with status "error"."""
 
 
+#: the project's Prometheus configuration: the five-minute path and deploy/compose use it as is
+DEPLOY_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "prometheus.yml"
+
+
 def prometheus_config(targets: Sequence[str], rule_files: Sequence[Path] = (),
                       alertmanagers: Sequence[str] = (), scrape_interval: str = "1s",
                       evaluation_interval: str = "1s", job: str = "kvledger",
                       external_labels: dict[str, str] | None = None) -> dict[str, Any]:
-    """The prometheus.yml document: one static scrape job over ``targets`` ("host:port"),
-    the rule files (absolute paths), alerting to ``alertmanagers`` ("host:port")."""
-    cfg: dict[str, Any] = {
-        "global": {"scrape_interval": scrape_interval, "evaluation_interval": evaluation_interval,
-                   "scrape_timeout": scrape_interval},
-        "rule_files": [str(Path(p).resolve()) for p in rule_files],
-        "scrape_configs": [{"job_name": job, "static_configs": [{"targets": list(targets)}]}],
-    }
+    """The prometheus.yml document: deploy/prometheus/prometheus.yml (one source of truth)
+    with only what a test must change: the scrape job's targets ("host:port", static
+    instead of the file_sd files), the rule files (absolute paths), the Alertmanagers
+    ("host:port"; none: no alerting section) and the intervals."""
+    cfg: dict[str, Any] = yaml.safe_load(DEPLOY_CONFIG.read_text())
+    cfg["global"].update(scrape_interval=scrape_interval, evaluation_interval=evaluation_interval,
+                         scrape_timeout=scrape_interval)
     if external_labels:
         cfg["global"]["external_labels"] = dict(external_labels)
+    cfg["rule_files"] = [str(Path(p).resolve()) for p in rule_files]
+    (scrape_job,) = cfg["scrape_configs"]
+    scrape_job.pop("file_sd_configs")
+    scrape_job.update(job_name=job, static_configs=[{"targets": list(targets)}])
+    (alerting,) = cfg["alerting"]["alertmanagers"]
+    alerting.pop("file_sd_configs")
     if alertmanagers:
-        cfg["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": list(alertmanagers)}]}]}
+        alerting["static_configs"] = [{"targets": list(alertmanagers)}]
+    else:
+        del cfg["alerting"]
     return cfg
 
 

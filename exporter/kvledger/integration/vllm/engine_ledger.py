@@ -23,6 +23,9 @@ from kvledger.integration.vllm.tracker import PoolTracker, RequestTracker, Throt
 
 logger = logging.getLogger("vllm.kvledger")
 
+#: the ledger socket's mode: the engine's user and group may connect, nobody else
+SOCKET_MODE = 0o660
+
 
 class EngineLedger:
     def __init__(self, view: EngineView, settings: Settings, version: str) -> None:
@@ -58,7 +61,10 @@ class EngineLedger:
             directory = os.path.dirname(where)
             if directory:
                 os.makedirs(directory, exist_ok=True)
-            return LedgerServer(self.document.render, unix_path=where).start()
+            server = LedgerServer(self.document.render, unix_path=where)
+            # owner and group may connect (a sidecar shares the group, e.g. Kubernetes fsGroup)
+            os.chmod(where, SOCKET_MODE)
+            return server.start()
         host, _, port = where.rpartition(":")
         return LedgerServer(self.document.render, host=host, port=int(port)).start()
 

@@ -136,7 +136,8 @@ class VllmSource(Source):
             up, reason = self._events.health()
             out.append(SubsourceReport("kv_events", up, reason))
         if self._log is not None:
-            out.append(SubsourceReport("log", self._log_error is None, self._log_error))
+            message = self._log.unread_reason() if self._log_error == "not read yet" else self._log_error
+            out.append(SubsourceReport("log", self._log_error is None, message))
         if self._ledger is not None:
             out.append(SubsourceReport("ledger", self._ledger_error is None, self._ledger_error))
         return out

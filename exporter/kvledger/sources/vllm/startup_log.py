@@ -134,6 +134,16 @@ class VllmLogReader:
         self._identity: tuple[int, int] | None = None
         self.facts = VllmLogFacts()
 
+    def unread_reason(self) -> str:
+        """Why there are no facts before the first read: the file cannot be found (or
+        opened), or it is there and simply not read yet (it is read after each answer of
+        the engine's /metrics)."""
+        try:
+            os.stat(self.path)
+        except OSError as exc:
+            return f"{self.path}: {exc.strerror or exc}"
+        return f"{self.path}: not read yet (it is read after the engine's /metrics answers)"
+
     def read(self) -> VllmLogFacts:
         """Raises OSError when the file cannot be read."""
         st = os.stat(self.path)
