@@ -23,13 +23,13 @@ import time
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from kvledger.block_bytes import ModelConfigError, load_model_config
 from kvledger.config import EngineConfig
 from kvledger.sources.base import EngineContribution, Source, SourceError, SubsourceReport
 from kvledger.sources.http_client import HttpClient
 from kvledger.sources.llamacpp.documents import Slot, parse_props, parse_slots
 from kvledger.sources.llamacpp.mapping import llamacpp_facts
 from kvledger.sources.llamacpp.metrics import ServerMetrics, idle_key, parse_metrics
+from kvledger.sources.model_config import ModelConfig
 
 #: the share of timeout_seconds the GETs may use; the rest is left for parsing, so that the
 #: collector never sees the poll itself run past its timeout
@@ -62,7 +62,7 @@ class LlamacppSource(Source):
         self._slots = HttpClient(cfg.option("slots_url") or base + "/slots", accept="application/json", **common)
         self._metrics = HttpClient(metrics_url, accept="text/plain;version=0.0.4", **common)
         self._metrics_error: str | None = "not read yet"
-        self._model_config: dict[str, Any] | None = None
+        self._model_config = ModelConfig(cfg)
         # the last /slots answer without a busy slot, with the idle key of the /metrics read
         # just before it
         self._idle_slots: tuple[tuple[float | None, ...], list[Slot]] | None = None
@@ -80,7 +80,7 @@ class LlamacppSource(Source):
         props = parse_props(self._get(self._props, deadline), self._props.where)
         metrics = self._read_metrics(deadline)
         slots = None if props.sleeping else self._read_slots(deadline, metrics)
-        return EngineContribution(llamacpp_facts(slots, props, metrics, self.cfg, self._load_model_config()))
+        return EngineContribution(llamacpp_facts(slots, props, metrics, self.cfg, self._model_config.load()))
 
     def _read_slots(self, deadline: float, metrics: ServerMetrics | None) -> list[Slot]:
         key = None if metrics is None else idle_key(metrics)
@@ -104,16 +104,6 @@ class LlamacppSource(Source):
             return None
         self._metrics_error = None
         return metrics
-
-    def _load_model_config(self) -> dict[str, Any] | None:
-        if self.cfg.model is None or self.cfg.block_bytes is not None:
-            return None
-        if self._model_config is None:
-            try:
-                self._model_config = load_model_config(self.cfg.model.config)
-            except ModelConfigError as exc:
-                raise SourceError("config", f"engine {self.cfg.name!r}: model.config: {exc}") from None
-        return self._model_config
 
     def subsource_health(self) -> list[SubsourceReport]:
         """``metrics``: /metrics read and parsed at the last poll (it is optional)."""

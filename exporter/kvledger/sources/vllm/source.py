@@ -18,13 +18,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any
 
-from kvledger.block_bytes import ModelConfigError, load_model_config
 from kvledger.config import EngineConfig
 from kvledger.facts import EngineFacts
 from kvledger.sources.base import EngineContribution, Source, SourceError, SubsourceReport
 from kvledger.sources.http_client import HttpClient
+from kvledger.sources.model_config import ModelConfig
 from kvledger.sources.vllm.events_subscriber import KvEventSubscriber
 from kvledger.sources.vllm.ledger import LedgerReader, merge_ledger
 from kvledger.sources.vllm.metrics import vllm_facts_from_metrics
@@ -54,7 +53,7 @@ class VllmSource(Source):
         self._http = HttpClient(
             cfg.url, timeout=cfg.timeout_seconds, max_bytes=cfg.max_response_bytes, accept="text/plain;version=0.0.4"
         )
-        self._model_config: dict[str, Any] | None = None
+        self._model_config = ModelConfig(cfg)
         self._events: KvEventSubscriber | None = None
         self._events_error: str | None = None
         kv_events, log_file = cfg.option("kv_events"), cfg.option("log_file")
@@ -70,7 +69,7 @@ class VllmSource(Source):
 
     def poll(self) -> EngineContribution:
         text = self._http.get_text()
-        facts = vllm_facts_from_metrics(text, self.cfg, self._load_model_config())
+        facts = vllm_facts_from_metrics(text, self.cfg, self._model_config.load())
         self._note_start_time(process_start_time(text))
         facts = self._merge_events(facts)
         facts = self._merge_log(facts)
@@ -87,16 +86,6 @@ class VllmSource(Source):
             return facts  # the /metrics bounds, for every pool
         self._ledger_error = None
         return merged
-
-    def _load_model_config(self) -> dict[str, Any] | None:
-        if self.cfg.model is None or self.cfg.block_bytes is not None:
-            return None
-        if self._model_config is None:
-            try:
-                self._model_config = load_model_config(self.cfg.model.config)
-            except ModelConfigError as exc:
-                raise SourceError("config", f"engine {self.cfg.name!r}: model.config: {exc}") from None
-        return self._model_config
 
     def _note_start_time(self, started_at: float | None) -> None:
         if started_at is None:
