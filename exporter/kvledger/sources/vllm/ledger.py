@@ -23,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 
 from kvledger.config import EngineConfig
-from kvledger.facts import Budgets, EngineFacts, RequestFacts
+from kvledger.facts import Budgets, EngineFacts
+from kvledger.requesttable import RequestTable
 from kvledger.sources.base import SourceError
 from kvledger.sources.http_client import HttpClient
 from kvledger.sources.ledger import parse_document
@@ -69,7 +70,7 @@ def merge_ledger(metrics: EngineFacts, ledgers: dict[str, EngineFacts]) -> Engin
     """``metrics`` (the /metrics facts) with every pool and request taken from ``ledgers``
     (by data-parallel rank = pool id); SourceError ``schema`` when they disagree."""
     pools = []
-    requests: list[RequestFacts] = []
+    requests: list[RequestTable] = []
     for pool in metrics.pools:
         doc = ledgers.get(pool.id)
         if doc is None:
@@ -91,11 +92,11 @@ def merge_ledger(metrics: EngineFacts, ledgers: dict[str, EngineFacts]) -> Engin
             cached_blocks=pool.cached_blocks,
             source_violations=pool.source_violations + exact.source_violations,
         ))  # fmt: skip
-        requests.extend(doc.requests or [])
+        requests.append(RequestTable.from_requests(doc.requests or []))
     return dataclasses.replace(
         metrics,
         pools=pools,
-        requests=requests,
+        requests=RequestTable.concat(requests),
         request_counts=None,
         budgets=_budgets([ledgers[p.id].budgets for p in metrics.pools], metrics.budgets),
     )
