@@ -73,6 +73,9 @@ from kvledger.limits import (
 from kvledger.requesttable import INT_COLUMNS, RequestTable
 
 SCHEMA_ID = "kvledger/v1"
+#: the media type of the columnar form (``request_columns``), which a reader asks for in
+#: its Accept header; integration/document_server.py serves it under the same name
+COLUMNS_MEDIA_TYPE = "application/vnd.kvledger.v1.columns+json"
 #: kind of a limit whose document gives no ``*_limit_kind``: never present a guess as hard
 DEFAULT_LIMIT_KIND: LimitKind = "estimate"
 
@@ -467,6 +470,8 @@ def _table_fast(columns: dict[str, list[Any]], n: int, default_pool: str, capaci
     """The requests when every value is canonical (the exact expected type, in range, ids
     unique, pools known, within capacity); None on any doubt. Checks whole columns at C
     speed: no per-request Python work on the common document."""
+    if n == 0:
+        return RequestTable([], [], [], [], [], {key: [] for key, _ in INT_COLUMNS})
     try:
         ids = columns["id"]
         if set(map(type, ids)) != {str} or "" in ids or len(set(ids)) != n:

@@ -58,9 +58,9 @@ class EngineLedger:
             directory = os.path.dirname(where)
             if directory:
                 os.makedirs(directory, exist_ok=True)
-            return LedgerServer(self.document.render, unix_path=where).start()
+            return LedgerServer(self.document.render_tagged, unix_path=where, columns=self.document.render_columns).start()
         host, _, port = where.rpartition(":")
-        return LedgerServer(self.document.render, host=host, port=int(port)).start()
+        return LedgerServer(self.document.render_tagged, host=host, port=int(port), columns=self.document.render_columns).start()
 
     # ---------------------------------------------------------------- hooks (engine thread)
     def after_schedule(self, output: Any) -> None:

@@ -27,7 +27,7 @@ from kvledger.facts import Budgets, EngineFacts
 from kvledger.requesttable import RequestTable
 from kvledger.sources.base import SourceError
 from kvledger.sources.http_client import HttpClient
-from kvledger.sources.ledger import parse_document
+from kvledger.sources.ledger import DocumentReader
 
 DP_PLACEHOLDER = "{dp_rank}"
 
@@ -36,7 +36,7 @@ class LedgerReader:
     def __init__(self, address: str, cfg: EngineConfig) -> None:
         self.address = address
         self.cfg = cfg
-        self._clients: dict[str, HttpClient] = {}
+        self._readers: dict[str, DocumentReader] = {}
 
     def url(self, rank: str) -> str:
         return self.address.replace(DP_PLACEHOLDER, rank)
@@ -51,19 +51,19 @@ class LedgerReader:
             )
         out: dict[str, EngineFacts] = {}
         for rank in ranks:
-            client = self._clients.get(rank)
-            if client is None:
+            reader = self._readers.get(rank)
+            if reader is None:
                 client = HttpClient(
                     self.url(rank), timeout=self.cfg.timeout_seconds, max_bytes=self.cfg.max_response_bytes,
                     accept="application/json",
                 )  # fmt: skip
-                self._clients[rank] = client
-            out[rank] = parse_document(client.get(), client.where, self.cfg.name)
+                reader = self._readers[rank] = DocumentReader(client, self.cfg.name)
+            out[rank] = reader.read()  # the columnar form and conditional reads when the rank serves them
         return out
 
     def close(self) -> None:
-        for client in self._clients.values():
-            client.abort()
+        for reader in self._readers.values():
+            reader.client.abort()
 
 
 def merge_ledger(metrics: EngineFacts, ledgers: dict[str, EngineFacts]) -> EngineFacts:
