@@ -18,6 +18,7 @@ kvledger/v1; the message names the field path).
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass
 
 import orjson
@@ -43,6 +44,12 @@ def parse_document(body: bytes, where: str, engine: str) -> EngineFacts:
         return facts_from_document(doc, engine)
     except ProtocolError as exc:
         raise SourceError("schema", f"{where}: not a kvledger/v1 document: {exc}") from None
+
+
+#: one document is decoded and converted at a time: the engines' polls run at once, and
+#: interleaving their parsing only adds interpreter hand-offs and holds every decoded
+#: document in memory together (the fetches, which wait on the network, still overlap)
+PARSE_LOCK = threading.Lock()
 
 
 @dataclass
@@ -80,7 +87,8 @@ class DocumentReader:
             return last.facts
         self._last = None
         try:
-            facts = parse_document(body, self.client.where, self.engine)
+            with PARSE_LOCK:
+                facts = parse_document(body, self.client.where, self.engine)
         finally:
             if len(body) >= LARGE_BODY:
                 del body
