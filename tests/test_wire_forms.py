@@ -360,3 +360,39 @@ def test_vllm_document_versions_move_with_publications() -> None:
     doc.publish(PoolSummary(0, 0, 5000, 0, 0), {}, {}, {"req-0"}, {})
     body, after = doc.render_columns()
     assert after != before and "req-0" not in orjson.loads(body)["request_columns"]["id"]
+
+
+# ---------------------------------------------------------------- the HTTP client's conditional GET
+
+
+def test_http_client_takes_304_only_for_a_conditional_get() -> None:
+    from kvledger.sources.base import SourceError
+    from kvledger.sources.http_client import HttpClient
+
+    led = busy_ledger(5)
+    with serve_http(led.to_document) as server:
+        client = HttpClient(server.url, timeout=2.0, accept="application/json")
+        first = client.fetch()
+        assert first.status == 200 and first.etag and first.content_type == "application/json"
+        again = client.fetch(if_none_match=first.etag)
+        assert (again.status, again.body, again.etag) == (304, b"", first.etag)
+        assert client.fetch(if_none_match='"another"').body == first.body
+
+    class Always304(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(304)
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return
+
+    odd = ThreadingHTTPServer(("127.0.0.1", 0), Always304)
+    threading.Thread(target=odd.serve_forever, daemon=True).start()
+    try:
+        client = HttpClient(f"http://127.0.0.1:{odd.server_address[1]}/", timeout=2.0)
+        with pytest.raises(SourceError) as err:
+            client.get()  # a 304 nobody asked for is no document
+        assert err.value.reason == "http_status" and "HTTP 304" in err.value.message
+    finally:
+        odd.shutdown()
+        odd.server_close()
