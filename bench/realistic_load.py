@@ -88,7 +88,11 @@ class Load:
 
     def columns_document(self) -> dict[str, Any]:
         keys = list(self.rows[0])
-        return dict(self._head(), request_columns={k: [r[k] for r in self.rows] for k in keys})
+        columns: dict[str, Any] = {k: [r[k] for r in self.rows] for k in keys}
+        for k, values in columns.items():  # a column the same for every request: one value
+            if k != "id" and values.count(values[0]) == len(values):
+                columns[k] = values[0]
+        return dict(self._head(), request_columns=columns)
 
 
 def dumps(doc: dict[str, Any]) -> bytes:

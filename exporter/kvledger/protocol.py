@@ -466,7 +466,9 @@ def _block_ids_fast(values: list[Any]) -> list[list[int] | None] | bool | None:
     return values
 
 
-def _table_fast(columns: dict[str, list[Any]], n: int, default_pool: str, capacity: dict[str, int]) -> RequestTable | None:
+def _table_fast(
+    columns: dict[str, list[Any]], n: int, default_pool: str, capacity: dict[str, int], scalars: frozenset[str] = frozenset()
+) -> RequestTable | None:
     """The requests when every value is canonical (the exact expected type, in range, ids
     unique, pools known, within capacity); None on any doubt. Checks whole columns at C
     speed: no per-request Python work on the common document."""
@@ -492,7 +494,14 @@ def _table_fast(columns: dict[str, list[Any]], n: int, default_pool: str, capaci
         ints: dict[str, list[int]] = {}
         arrays: dict[str, np.ndarray] = {}
         for key, default in INT_COLUMNS:
-            col = _int_column_fast(columns[key], key, default)
+            values = columns[key]
+            if key in scalars:  # one value for every request: checked once
+                one = _int_column_fast(values[:1], key, default)
+                if one is None:
+                    return None
+                ints[key], arrays[key] = one[0] * n, np.full(n, one[0][0], dtype=np.int64)
+                continue
+            col = _int_column_fast(values, key, default)
             if col is None:
                 return None
             ints[key], arrays[key] = col
@@ -584,16 +593,21 @@ def _request_columns(value: object, default_pool: str, capacity: dict[str, int])
     if n > MAX_REQUESTS:
         raise ProtocolError(f"{path}.id", f"lists {n} requests, more than {MAX_REQUESTS}")
     columns: dict[str, list[Any]] = {}
+    scalars: set[str] = set()
     for key in _COLUMN_KEYS:
         column = cols.get(key)
         if column is None:
             columns[key] = [None] * n
             continue
+        if key not in _ARRAY_ONLY and not isinstance(column, (list, Mapping)):
+            columns[key] = [column] * n  # one value for every request
+            scalars.add(key)
+            continue
         column = _arr(column, f"{path}.{key}")
         if len(column) != n:
             raise ProtocolError(f"{path}.{key}", f"has {len(column)} entries, {path}.id has {n}")
         columns[key] = column
-    fast = _table_fast(columns, n, default_pool, capacity)
+    fast = _table_fast(columns, n, default_pool, capacity, frozenset(scalars))
     if fast is not None:
         return fast
     # the checked walk: every entry as requests[] checks it, naming the first problem
@@ -601,14 +615,21 @@ def _request_columns(value: object, default_pool: str, capacity: dict[str, int])
     try:
         return _requests_checked(rows, default_pool, capacity)
     except ProtocolError as exc:
-        raise ProtocolError(_column_path(exc.path), exc.detail) from None
+        raise ProtocolError(_column_path(exc.path, scalars), exc.detail) from None
 
 
-def _column_path(row_path: str) -> str:
-    """``requests[3].prompt_tokens[0]`` -> ``request_columns.prompt_tokens[3][0]``."""
+#: columns that must be arrays; any other may be one value standing for every request
+_ARRAY_ONLY = frozenset(("id", "block_ids"))
+
+
+def _column_path(row_path: str, scalars: set[str]) -> str:
+    """``requests[3].prompt_tokens[0]`` -> ``request_columns.prompt_tokens[3][0]``
+    (``request_columns.pool`` for a column given as one value)."""
     head, _, rest = row_path.partition("].")
     index = head.removeprefix("requests[")
     key, bracket, tail = rest.partition("[")
+    if key in scalars:
+        return f"request_columns.{key}"
     return f"request_columns.{key}[{index}]" + (bracket + tail if bracket else "")
 
 

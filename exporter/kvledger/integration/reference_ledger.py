@@ -704,6 +704,9 @@ class Ledger:
                 }
                 if any(r.tenant is not None for r in live):
                     table["tenant"] = [r.tenant for r in live]
+                for key, values in table.items():
+                    if key != "id" and values and values.count(values[0]) == len(values):
+                        table[key] = values[0]  # the same for every request: one value stands for all
                 if include_blocks:
                     table["block_ids"] = [list(r.blocks) for r in live]
             requests = []

@@ -158,18 +158,17 @@ class LedgerDocument:
                 rows = list(self._rows.values())
                 summary, budgets, stats, published_at = self._summary, self._budgets, self._stats, self._published_at
             pool = self._pool
-            n = len(rows)
-            columns = {
+            columns: dict[str, Any] = {
                 "id": [r.id for r in rows],
-                "pool": [pool.id] * n,
+                "pool": pool.id,  # one value for every request (the same for each row here)
                 "state": [r.state for r in rows],
                 "prompt_tokens": [r.prompt_tokens for r in rows],
                 "max_output_tokens": [r.max_output_tokens for r in rows],
-                "output_bound": ["cap"] * n,
+                "output_bound": "cap",
                 "generated_tokens": [r.generated_tokens for r in rows],
                 "computed_tokens": [r.computed_tokens for r in rows],
-                "contexts": [1] * n,
-                "speculative_slots": [pool.speculative_slots] * n,
+                "contexts": 1,
+                "speculative_slots": pool.speculative_slots,
                 "blocks_held": [r.blocks_held for r in rows],
             }
             if any(r.tenant is not None for r in rows):
