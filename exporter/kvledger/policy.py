@@ -407,7 +407,9 @@ def request_columns(
         held=table.held(),
         admitted=states != 1,
         running=states == 0,
-        estimate=np.fromiter(map(eq, table.output_bounds, repeat("estimate")), dtype=bool, count=n),
+        estimate=np.fromiter(map(eq, table.output_bounds, repeat("estimate")), dtype=bool, count=n)
+        if "estimate" in table.output_bounds
+        else np.zeros(n, dtype=bool),
         computed=table.column("computed_tokens"),
         contexts=contexts,
         speculative=speculative,
