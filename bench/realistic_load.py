@@ -14,6 +14,8 @@ import json
 import random
 from typing import Any
 
+from kvledger.integration.vllm.document import int64le
+
 STATES = ("running",) * 18 + ("waiting", "preempted")
 
 
@@ -92,6 +94,8 @@ class Load:
         for k, values in columns.items():  # a column the same for every request: one value
             if k != "id" and values.count(values[0]) == len(values):
                 columns[k] = values[0]
+            elif type(values[0]) is int:  # integers as machine integers, as the vLLM integration writes them
+                columns[k] = int64le(values)
         return dict(self._head(), request_columns=columns)
 
 

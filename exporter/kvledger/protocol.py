@@ -28,6 +28,7 @@ are counted as invariant violations by the policy).
 
 from __future__ import annotations
 
+import binascii
 import json
 import math
 from array import array
@@ -73,6 +74,8 @@ from kvledger.limits import (
 from kvledger.requesttable import INT_COLUMNS, RequestTable
 
 SCHEMA_ID = "kvledger/v1"
+#: an integer column of the columnar form given as machine integers: {"int64le": base64}
+BINARY_INT_KEY = "int64le"
 #: the media type of the columnar form (``request_columns``), which a reader asks for in
 #: its Accept header; integration/document_server.py serves it under the same name
 COLUMNS_MEDIA_TYPE = "application/vnd.kvledger.v1.columns+json"
@@ -466,8 +469,24 @@ def _block_ids_fast(values: list[Any]) -> list[list[int] | None] | bool | None:
     return values
 
 
+def _binary_int_column(value: Mapping[str, Any], path: str, n: int) -> np.ndarray:
+    """An integer column given as ``{"int64le": "<base64>"}``: n little-endian signed 64-bit
+    integers (ranges are checked with the other columns)."""
+    text = value.get(BINARY_INT_KEY)
+    if not isinstance(text, str) or set(value) != {BINARY_INT_KEY}:
+        raise ProtocolError(path, f'expected array, one value, or {{"{BINARY_INT_KEY}": base64}}, got {_show(value)}')
+    try:
+        raw = binascii.a2b_base64(text, strict_mode=True)  # checked in C (b64decode's validate runs a regex)
+    except (binascii.Error, ValueError):
+        raise ProtocolError(f"{path}.{BINARY_INT_KEY}", "is not base64") from None
+    if len(raw) != 8 * n:
+        raise ProtocolError(f"{path}.{BINARY_INT_KEY}", f"holds {len(raw)} bytes, not 8 for each of {n} requests")
+    return np.frombuffer(raw, dtype="<i8").astype(np.int64, copy=False)
+
+
 def _table_fast(
-    columns: dict[str, list[Any]], n: int, default_pool: str, capacity: dict[str, int], scalars: frozenset[str] = frozenset()
+    columns: dict[str, list[Any]], n: int, default_pool: str, capacity: dict[str, int], scalars: frozenset[str] = frozenset(),
+    binary: dict[str, np.ndarray] | None = None,
 ) -> RequestTable | None:
     """The requests when every value is canonical (the exact expected type, in range, ids
     unique, pools known, within capacity); None on any doubt. Checks whole columns at C
@@ -493,18 +512,27 @@ def _table_fast(
             return None
         ints: dict[str, list[int]] = {}
         arrays: dict[str, np.ndarray] = {}
+        listed: dict[str, list[int]] = {}
         for key, default in INT_COLUMNS:
+            if binary is not None and key in binary:  # machine integers: ranges checked on the array
+                arr = binary[key]
+                minimum, maximum = _INT_RANGES[key]
+                if len(arr) and (int(arr.min()) < minimum or int(arr.max()) > maximum):
+                    return None
+                arrays[key] = arr
+                continue
             values = columns[key]
             if key in scalars:  # one value for every request: checked once
                 one = _int_column_fast(values[:1], key, default)
                 if one is None:
                     return None
-                ints[key], arrays[key] = one[0] * n, np.full(n, one[0][0], dtype=np.int64)
+                listed[key], arrays[key] = one[0] * n, np.full(n, one[0][0], dtype=np.int64)
                 continue
             col = _int_column_fast(values, key, default)
             if col is None:
                 return None
-            ints[key], arrays[key] = col
+            listed[key], arrays[key] = col
+        ints.update(listed)
         block_ids = _block_ids_fast(columns["block_ids"])
         if block_ids is False:
             return None
@@ -515,7 +543,7 @@ def _table_fast(
         bounds = ["cap" if b is None else b for b in bounds]
     if None in pools or "" in pools:
         pools = [p or default_pool for p in pools]
-    if block_ids is not None:
+    if block_ids is not None and "blocks_held" in ints:
         explicit = columns["blocks_held"]
         if None in explicit:  # blocks_held defaults to len(block_ids)
             held = [len(b) if h is None and b is not None else v
@@ -594,10 +622,15 @@ def _request_columns(value: object, default_pool: str, capacity: dict[str, int])
         raise ProtocolError(f"{path}.id", f"lists {n} requests, more than {MAX_REQUESTS}")
     columns: dict[str, list[Any]] = {}
     scalars: set[str] = set()
+    binary: dict[str, np.ndarray] = {}
     for key in _COLUMN_KEYS:
         column = cols.get(key)
         if column is None:
             columns[key] = [None] * n
+            continue
+        if key in _INT_RANGES and isinstance(column, Mapping):
+            binary[key] = _binary_int_column(column, f"{path}.{key}", n)
+            columns[key] = []  # listed only if a check needs the entries
             continue
         if key not in _ARRAY_ONLY and not isinstance(column, (list, Mapping)):
             columns[key] = [column] * n  # one value for every request
@@ -607,9 +640,11 @@ def _request_columns(value: object, default_pool: str, capacity: dict[str, int])
         if len(column) != n:
             raise ProtocolError(f"{path}.{key}", f"has {len(column)} entries, {path}.id has {n}")
         columns[key] = column
-    fast = _table_fast(columns, n, default_pool, capacity, frozenset(scalars))
+    fast = _table_fast(columns, n, default_pool, capacity, frozenset(scalars), binary)
     if fast is not None:
         return fast
+    for key, arr in binary.items():
+        columns[key] = arr.tolist()
     # the checked walk: every entry as requests[] checks it, naming the first problem
     rows = [{key: columns[key][i] for key in _COLUMN_KEYS if columns[key][i] is not None} for i in range(n)]
     try:

@@ -37,7 +37,7 @@ class RequestTable(Sequence[RequestFacts]):
     """Requests as columns. ``ints`` maps each name of ``INT_COLUMNS`` to a list of ints;
     ``block_ids`` is None when no request lists its blocks."""
 
-    __slots__ = ("_arrays", "block_ids", "ids", "ints", "output_bounds", "pools", "states", "tenants")
+    __slots__ = ("_arrays", "_ints", "block_ids", "ids", "output_bounds", "pools", "states", "tenants")
 
     def __init__(
         self,
@@ -51,8 +51,9 @@ class RequestTable(Sequence[RequestFacts]):
         arrays: dict[str, np.ndarray] | None = None,
     ) -> None:
         n = len(ids)
-        columns: tuple[list[Any], ...] = (states, pools, tenants, output_bounds, *ints.values())
-        if not all(len(c) == n for c in columns) or set(ints) != set(INT_NAMES):
+        arrays = dict(arrays or {})
+        columns: tuple[Any, ...] = (states, pools, tenants, output_bounds, *ints.values(), *arrays.values())
+        if not all(len(c) == n for c in columns) or set(ints) | set(arrays) != set(INT_NAMES):
             raise ValueError("request columns differ in length or lack a column")
         if block_ids is not None and len(block_ids) != n:
             raise ValueError("request columns differ in length")
@@ -61,9 +62,18 @@ class RequestTable(Sequence[RequestFacts]):
         self.pools = pools
         self.tenants = tenants
         self.output_bounds = output_bounds
-        self.ints = ints
+        self._ints = dict(ints)  # a column given only as an array is listed when first asked for
         self.block_ids = block_ids
-        self._arrays: dict[str, np.ndarray] = dict(arrays or {})
+        self._arrays: dict[str, np.ndarray] = arrays
+
+    @property
+    def ints(self) -> dict[str, list[int]]:
+        """Every numeric column as a list of ints."""
+        if len(self._ints) < len(INT_NAMES):
+            for name in INT_NAMES:
+                if name not in self._ints:
+                    self._ints[name] = [int(v) for v in self._arrays[name].tolist()]
+        return self._ints
 
     @classmethod
     def from_requests(cls, requests: Iterable[RequestFacts]) -> RequestTable:
@@ -110,7 +120,7 @@ class RequestTable(Sequence[RequestFacts]):
         """A numeric column as an int64 array (built once)."""
         arr = self._arrays.get(name)
         if arr is None:
-            arr = self._arrays[name] = np.array(self.ints[name], dtype=np.int64) if self.ids else np.zeros(0, np.int64)
+            arr = self._arrays[name] = np.array(self._ints[name], dtype=np.int64) if self.ids else np.zeros(0, np.int64)
         return arr
 
     def held(self) -> np.ndarray:
@@ -140,7 +150,7 @@ class RequestTable(Sequence[RequestFacts]):
 
     def with_labels(self, pools: list[str], tenants: list[str | None]) -> RequestTable:
         """The same requests with other pool and tenant names (label limits)."""
-        return RequestTable(self.ids, self.states, pools, tenants, self.output_bounds, self.ints, self.block_ids, self._arrays)
+        return RequestTable(self.ids, self.states, pools, tenants, self.output_bounds, self._ints, self.block_ids, self._arrays)
 
     # ------------------------------------------------------------ Sequence[RequestFacts]
 

@@ -8,7 +8,7 @@ its last render (each row's text is kept), and joins them. Between two publicati
 render returns the same bytes without work.
 
 Readers that ask for it get the columnar form (``render_columns``: ``request_columns``, one
-JSON array per field, docs/ledger.md), cheaper to write here and to read in the daemon when
+column per field, integers as base64 machine integers, docs/ledger.md), cheaper to write here and to read in the daemon when
 every running request moves at every step; both forms carry the publication's version as
 their ETag, so a reader's conditional GET of an unchanged ledger is answered 304.
 
@@ -17,9 +17,12 @@ Standard library only: this module runs inside vLLM's EngineCore process.
 
 from __future__ import annotations
 
+import base64
 import json
+import sys
 import threading
 import time
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +59,16 @@ class PoolStatic:
 
 def _dumps(value: object) -> str:
     return json.dumps(value, separators=(",", ":"))
+
+
+def int64le(values: list[int]) -> dict[str, str]:
+    """An integer column of the columnar form as machine integers (docs/ledger.md):
+    ``{"int64le": base64 of little-endian signed 64-bit integers}``: written and read
+    without one number's text per request."""
+    packed = array("q", values)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return {"int64le": base64.b64encode(packed.tobytes()).decode("ascii")}
 
 
 class LedgerDocument:
@@ -162,14 +175,14 @@ class LedgerDocument:
                 "id": [r.id for r in rows],
                 "pool": pool.id,  # one value for every request (the same for each row here)
                 "state": [r.state for r in rows],
-                "prompt_tokens": [r.prompt_tokens for r in rows],
-                "max_output_tokens": [r.max_output_tokens for r in rows],
+                "prompt_tokens": int64le([r.prompt_tokens for r in rows]),
+                "max_output_tokens": int64le([r.max_output_tokens for r in rows]),
                 "output_bound": "cap",
-                "generated_tokens": [r.generated_tokens for r in rows],
-                "computed_tokens": [r.computed_tokens for r in rows],
+                "generated_tokens": int64le([r.generated_tokens for r in rows]),
+                "computed_tokens": int64le([r.computed_tokens for r in rows]),
                 "contexts": 1,
                 "speculative_slots": pool.speculative_slots,
-                "blocks_held": [r.blocks_held for r in rows],
+                "blocks_held": int64le([r.blocks_held for r in rows]),
             }
             if any(r.tenant is not None for r in rows):
                 columns["tenant"] = [r.tenant for r in rows]
