@@ -1,29 +1,58 @@
-"""Daemon RSS and CPU at the docs/design.md §9 load: 8 engines serving kvledger/v1 ledgers with
-10,000 in-flight requests in all and 16 tenants each, polled every second, scraped every
-15 s. Budgets: RSS <= 80 MB, CPU <= 2 % of a core.
+"""The busy daemon at the realistic load (issue 14), against the cost of merely reading its inputs.
 
-Each document is pre-serialised once so the bench process's own work stays out of the
-daemon's figures. Run: .venv/bin/python bench/bench_daemon.py [--seconds 60] [--block-refs]
+8 engines x 1,250 requests, 16 tenants each, polled every second, scraped every 15 s (gzip,
+as Prometheus asks). The load is the one of a real engine (bench/realistic_load.py): every
+running request's computed and generated tokens advance 20 tokens a second, its blocks grow
+every block_size tokens, ~5 % of the requests are replaced every second; each engine serves
+the next second's document at each poll. The documents are rendered before the run (60
+seconds of them, cycled) so the bench's own work stays out of the figures.
+
+Phases, one after the other in one run, each ``--seconds`` long:
+- ``floor (rows)``: a process that only fetches each engine's row-form document with the
+  daemon's HTTP client and decodes it with orjson, every second: the cost of reading the inputs;
+- ``daemon (rows)``: ``kvledger serve`` against plain v1 servers (row form only);
+- ``floor (columns)`` and ``daemon (columns)``: the same with servers that offer the columnar
+  form (the daemon asks for it; the floor fetches it the same way);
+- ``daemon (idle)``: the same servers with documents that do not change (conditional reads: 304).
+
+Printed: CPU as % of one core, RSS peak, and daemon / floor ratios. Budgets (docs/design.md
+§9): CPU <= 2 % of a core, RSS <= 80 MB.
+
+Run: .venv/bin/python bench/bench_daemon.py [--seconds 30] [--engines 8] [--requests 1250]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import urllib.request
 from pathlib import Path
 
-from kvledger.integration.document_server import serve_http
-
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_protocol import build
+from realistic_load import Load, dumps
+
+from kvledger.integration.document_server import LedgerServer
 
 ROOT = Path(__file__).resolve().parents[1]
+TICKS = 60
+
+FLOOR = textwrap.dedent("""
+    import sys, time, orjson
+    from kvledger.sources.http_client import HttpClient
+    accept = sys.argv[1]
+    clients = [HttpClient(u, timeout=5.0, max_bytes=64 << 20, accept=accept) for u in sys.argv[2:]]
+    next_at = time.monotonic()
+    while True:
+        for c in clients:
+            orjson.loads(c.get())
+        next_at += 1.0
+        time.sleep(max(0.0, next_at - time.monotonic()))
+""")
 
 
 def proc_figures(pid: int) -> tuple[float, float]:
@@ -34,87 +63,123 @@ def proc_figures(pid: int) -> tuple[float, float]:
     return rss_kb / 1024, (int(fields[11]) + int(fields[12])) / ticks
 
 
-def engine_document(block_refs: bool = False) -> dict:
-    """One engine's kvledger/v1 document at this load: 1,250 requests, 16 tenants."""
-    doc = build(requests=1250, blocks=125_000 if block_refs else 0)
-    if not block_refs:
-        doc["pools"][0].pop("block_refs")
-        doc["pools"][0]["num_blocks"] = 125_000
-        doc["pools"][0]["blocks"] = {"in_use": 100_000, "reclaimable": 10_000, "free": 15_000}
-        doc["pools"][0]["references"] = 110_000
-        for r in doc["requests"]:
-            r.pop("block_ids")
-    doc["tenants"] = [{"name": f"t{t}", "quota_bytes": 10**10} for t in range(16)]
-    return doc
+class Engines:
+    """``n`` servers, each serving one second of the load at a time (its own offset in it)."""
+
+    def __init__(self, n: int, requests: int) -> None:
+        load = Load(requests, seed=7)
+        self.rows: list[bytes] = []
+        self.columns: list[bytes] = []
+        for _ in range(TICKS):
+            load.tick()
+            self.rows.append(dumps(load.rows_document()))
+            self.columns.append(dumps(load.columns_document()))
+        self.mode = "rows"  # rows | columns | idle
+        self.servers = [LedgerServer(self._render(i, "rows"), columns=self._render(i, "columns")) for i in range(n)]
+        for s in self.servers:
+            s.start()
+
+    def _tick(self, i: int) -> int:
+        if self.mode == "idle":
+            return i
+        return (int(time.monotonic()) + 7 * i) % TICKS
+
+    def _render(self, i: int, form: str):  # type: ignore[no-untyped-def]
+        def render() -> tuple[bytes, str]:
+            k = self._tick(i)
+            if form == "columns":
+                if self.mode == "rows":  # a plain v1 server: the row form only
+                    return self.rows[k], f"r{k}"
+                return self.columns[k], f"c{k}"
+            return self.rows[k], f"r{k}"
+
+        return render
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+
+def measure(pid: int, seconds: float, scrape_port: int | None) -> tuple[float, float]:
+    """(CPU % of a core, RSS peak MB) of ``pid`` over ``seconds``, scraping every 15 s."""
+    _, cpu0 = proc_figures(pid)
+    t0 = time.monotonic()
+    peak, next_scrape = 0.0, t0
+    while time.monotonic() - t0 < seconds:
+        if scrape_port is not None and time.monotonic() >= next_scrape:
+            req = urllib.request.Request(f"http://127.0.0.1:{scrape_port}/metrics", headers={"Accept-Encoding": "gzip"})
+            urllib.request.urlopen(req, timeout=5).read()
+            next_scrape += 15
+        peak = max(peak, proc_figures(pid)[0])
+        time.sleep(0.5)
+    _, cpu1 = proc_figures(pid)
+    return (cpu1 - cpu0) / (time.monotonic() - t0) * 100, peak
+
+
+def wait_ready(port: int) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=1)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--seconds", type=float, default=60.0)
-    ap.add_argument("--block-refs", action="store_true", help="also carry 1,000,000 block refs in one engine's ledger")
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--engines", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=1250)
+    ap.add_argument("--root", type=Path, default=ROOT, help="source tree whose exporter/ runs the daemon")
+    ap.add_argument("--forms", default="rows,columns", help="which forms to measure (rows, columns or both)")
     args = ap.parse_args()
-    docs = []
-    for _ in range(8):
-        doc = engine_document(args.block_refs)
-        variants = []
-        for tokens in (7000, 7001):  # a busy engine's document changes at every poll
-            doc["budgets"]["iteration_tokens"] = tokens
-            variants.append(json.dumps(doc, separators=(",", ":")).encode())
-        docs.append(variants)
-    state = {"busy": True}
-
-    def render(variants: list[bytes], turn: list[int]) -> bytes:
-        if state["busy"]:
-            turn[0] += 1
-        return variants[turn[0] % 2]
-
-    servers = [serve_http(lambda v=v, t=[0]: render(v, t)) for v in docs]
+    engines = Engines(args.engines, args.requests)
+    print(f"{args.engines} engines x {args.requests:,} requests, 16 tenants; row form {len(engines.rows[0]) / 1024:.0f} KiB, "
+          f"columnar form {len(engines.columns[0]) / 1024:.0f} KiB per document; {args.seconds:g} s per phase", flush=True)
     cfg = Path(tempfile.mkdtemp()) / "kvledger.yml"
-    engines = "\n".join(
-        f"  - {{name: engine-{i}, kind: ledger, url: '{s.url}', gpus: [{i}], tenants: "
-        + "[" + ", ".join(f"{{name: t{t}, quota_bytes: 10GiB}}" for t in range(16)) + "]}"
-        for i, s in enumerate(servers))
-    cfg.write_text(f"interval_seconds: 1.0\nnvml: {{enabled: false}}\nengines:\n{engines}\n")
-    port = 19_000 + os.getpid() % 1000
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "exporter"))
-    daemon = subprocess.Popen([sys.executable, "-m", "kvledger.cli", "serve", "--config", str(cfg), "--listen", f"127.0.0.1:{port}"],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    lines = [f"  - {{name: engine-{i}, kind: ledger, url: '{s.url}', gpus: [{i}], tenants: ["
+             + ", ".join(f"{{name: t{t}, quota_bytes: 10GiB}}" for t in range(16)) + "]}"
+             for i, s in enumerate(engines.servers)]
+    cfg.write_text("interval_seconds: 1.0\nnvml: {enabled: false}\nengines:\n" + "\n".join(lines) + "\n")
+    env = dict(os.environ, PYTHONPATH=str(args.root / "exporter"))
+    results: dict[str, tuple[float, float]] = {}
     try:
-        deadline = time.monotonic() + 30
-        while True:
+        for mode in args.forms.split(","):
+            engines.mode = mode
+            accept = "application/json" if mode == "rows" else "application/vnd.kvledger.v1.columns+json"
+            floor = subprocess.Popen([sys.executable, "-c", FLOOR, accept, *(s.url for s in engines.servers)], env=env)
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=1)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-        time.sleep(5)  # warm up
-        for busy in (True, False):
-            state["busy"] = busy
-            time.sleep(2)
-            _, cpu0 = proc_figures(daemon.pid)
-            t0 = time.monotonic()
-            peak = 0.0
-            next_scrape = t0
-            while time.monotonic() - t0 < args.seconds:
-                if time.monotonic() >= next_scrape:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
-                    next_scrape += 15
-                rss, _ = proc_figures(daemon.pid)
-                peak = max(peak, rss)
-                time.sleep(0.5)
-            rss, cpu1 = proc_figures(daemon.pid)
-            cpu_pct = (cpu1 - cpu0) / (time.monotonic() - t0) * 100
-            print(f"daemon, 8 engines x 1,250 requests x 16 tenants{' + block refs' if args.block_refs else ''}, "
-                  f"1 s poll, {'documents changing every poll' if busy else 'idle engines (unchanged documents)'}: "
-                  f"RSS peak {peak:.0f} MB ({peak / 80:.2f} of the 80 MB budget), "
-                  f"CPU {cpu_pct:.1f} % of a core ({cpu_pct / 2:.1f} x the 2 % budget)", flush=True)
+                time.sleep(3)
+                results[f"floor ({mode})"] = measure(floor.pid, args.seconds, None)
+            finally:
+                floor.terminate()
+                floor.wait(10)
+            port = 19_000 + os.getpid() % 1000
+            daemon = subprocess.Popen([sys.executable, "-m", "kvledger.cli", "serve", "--config", str(cfg), "--listen",
+                                       f"127.0.0.1:{port}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                wait_ready(port)
+                time.sleep(5)  # warm up
+                results[f"daemon ({mode})"] = measure(daemon.pid, args.seconds, port)
+                if mode == "columns":
+                    engines.mode = "idle"
+                    time.sleep(3)
+                    results["daemon (idle)"] = measure(daemon.pid, args.seconds, port)
+            finally:
+                daemon.terminate()
+                daemon.wait(10)
     finally:
-        daemon.terminate()
-        daemon.wait(10)
-        for s in servers:
-            s.stop()
+        engines.stop()
+    print("| phase | CPU (% of a core) | RSS peak (MB) | vs its floor |")
+    print("|---|---|---|---|")
+    for name, (cpu, rss) in results.items():
+        form = "rows" if "rows" in name else "columns"
+        floor = results.get(f"floor ({form})")
+        ratio = "" if name.startswith("floor") or floor is None else f"{cpu / floor[0]:.2f}x"
+        print(f"| {name} | {cpu:.2f} % ({cpu / 2:.2f} of the 2 % budget) | {rss if rss else float('nan'):.0f} | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -1,23 +1,27 @@
-"""Where a busy daemon's CPU goes: one engine's poll at the docs/design.md §9 load, by phase.
+"""One engine's poll at the realistic load, against the cost of decoding it, as curves (issue 14).
 
-One engine of bench_daemon.py's load (1,250 requests, 16 tenants, a document that changes at
-every poll), medians over repeated runs of each phase in this process:
-- fetch: the ledger source's HTTP GET of the document from a local server;
-- parse: orjson.loads of those bytes;
-- facts: facts_from_document (the kvledger/v1 checks and conversion);
-- account: the policy's engine account of those facts;
-and the whole poll (LedgerSource.poll: fetch + parse + facts + configuration).
+Documents come from bench/realistic_load.py (every running request advances 20 tokens a
+second, blocks grow every block_size tokens, ~5 % of requests replaced per second). Each
+figure is the median CPU time of the polling thread (``time.thread_time``), measured side by
+side in this run:
 
-The CPU budget (2 % of a core at a 1 s poll) leaves 20 ms per second for all eight engines:
-the report gives each phase x 8 as a share of it.
+- ``decode``: orjson.loads of the body (the floor: the cost of reading the input);
+- ``read``: decode + conversion (``parse_document``, every check of the protocol);
+- ``read+account``: that and the policy's engine account: what a poll costs beyond the fetch;
+- ``poll``: ``LedgerSource.poll`` over HTTP from a local server, plus the account: the fetch
+  (client side only), reading and accounting, with the cheaper form negotiated when offered.
 
-Run: .venv/bin/python bench/bench_poll.py [--runs 200]
+Curves: the requests an engine holds (1k, 10k, 100k) in both forms, and the share of
+requests whose rows change each second (0 = an idle engine, answered 304). The CPU budget
+is 2 % of a core at a 1 s poll (20 ms a second for every engine together): the report
+gives, per form, the requests at which one engine alone would use it all.
+
+Run: .venv/bin/python bench/bench_poll.py [--runs 30]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,64 +30,110 @@ from pathlib import Path
 
 import orjson
 
-from kvledger.config import EngineConfig
-from kvledger.integration.document_server import serve_http
-from kvledger.policy import engine_account
-from kvledger.protocol import facts_from_document
-from kvledger.sources.ledger import LedgerSource, fetch
-
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_daemon import engine_document
+from realistic_load import Load, dumps
 
-ENGINES = 8
-BUDGET_MS_PER_SECOND = 20.0  # 2 % of a core
+from kvledger.config import EngineConfig
+from kvledger.integration.document_server import LedgerServer
+from kvledger.policy import engine_account
+from kvledger.sources.ledger import LedgerSource, parse_document
+
+BUDGET_MS = 20.0  # 2 % of a core, every second
 
 
-def median_ms(fn: Callable[[], object], runs: int) -> float:
-    fn()  # warm up
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
+def thread_ms(fns: dict[str, Callable[[], object]], runs: int) -> dict[str, float]:
+    """Median thread CPU ms of each function, run round-robin (side by side)."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    for _ in range(runs):
+        for name, fn in fns.items():
+            t = time.thread_time()
+            fn()
+            times[name].append(time.thread_time() - t)
+    return {k: statistics.median(v) * 1000 for k, v in times.items()}
+
+
+def document_costs(requests: int, runs: int) -> dict[str, dict[str, float]]:
+    load = Load(requests, seed=3)
+    load.tick()
+    out = {}
+    for form, body in (("rows", dumps(load.rows_document())), ("columns", dumps(load.columns_document()))):
+        facts = parse_document(body, "bench", "e")
+        out[form] = thread_ms({
+            "decode": lambda b=body: orjson.loads(b),
+            "read": lambda b=body: parse_document(b, "bench", "e"),
+            "read+account": lambda b=body: engine_account(parse_document(b, "bench", "e"), "per-request"),
+            "account": lambda f=facts: engine_account(f, "per-request"),
+        }, runs)
+        out[form]["KiB"] = len(body) / 1024
+    return out
+
+
+def poll_costs(share: float, runs: int) -> dict[str, float]:
+    """One engine of 1,250 requests polled over HTTP, ``share`` of its running requests
+    decoding each second (0: nothing changes)."""
+    load = Load(1250, seed=5, changing_share=share, replace_share=0.05 * share)
+    bodies = []
+    for _ in range(runs + 2):
+        load.tick()
+        bodies.append((dumps(load.rows_document()), dumps(load.columns_document())))
+    out = {}
+    for form in ("rows", "columns"):
+        turn = [0]
+
+        def render(turn: list[int] = turn) -> tuple[bytes, str]:
+            k = turn[0] if share > 0 else 0
+            return bodies[k][0], f"r{k}"
+
+        def columns(turn: list[int] = turn) -> tuple[bytes, str]:
+            k = turn[0] if share > 0 else 0
+            return bodies[k][1], f"c{k}"
+
+        server = LedgerServer(render, columns=columns if form == "columns" else None).start()
+        try:
+            source = LedgerSource(EngineConfig(name="e", kind="ledger", url=server.url, timeout_seconds=5.0))
+            last = source.poll()
+            times = []
+            for k in range(1, runs + 1):
+                turn[0] = k
+                t = time.thread_time()
+                contribution = source.poll()
+                if contribution is not last:  # the collector keeps an unchanged engine's account
+                    engine_account(contribution.facts, "per-request")
+                last = contribution
+                times.append(time.thread_time() - t)
+            out[form] = statistics.median(times) * 1000
+        finally:
+            server.stop()
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--runs", type=int, default=30)
     args = ap.parse_args()
-    doc = engine_document()
-    variants = []
-    for tokens in (7000, 7001):
-        doc["budgets"]["iteration_tokens"] = tokens
-        variants.append(json.dumps(doc, separators=(",", ":")).encode())
-    turn = [0]
-
-    def render() -> bytes:
-        turn[0] += 1
-        return variants[turn[0] % 2]
-
-    server = serve_http(render)
-    try:
-        cfg = EngineConfig(name="engine-0", kind="ledger", url=server.url)
-        source = LedgerSource(cfg)
-        body = variants[0]
-        parsed = orjson.loads(body)
-        facts = facts_from_document(parsed, "engine-0")
-        phases = {
-            "fetch": median_ms(lambda: fetch(server.url, 5.0), args.runs),
-            "parse": median_ms(lambda: orjson.loads(body), args.runs),
-            "facts": median_ms(lambda: facts_from_document(parsed, "engine-0"), args.runs),
-            "account": median_ms(lambda: engine_account(facts, "per-request"), args.runs),
-            "whole poll": median_ms(source.poll, args.runs),
-        }
-    finally:
-        server.stop()
-    print(f"one engine's poll, 1,250 requests, {len(body) / 1024:.0f} KiB document (median of {args.runs}):")
-    for name, ms in phases.items():
-        share = ms * ENGINES / BUDGET_MS_PER_SECOND
-        print(f"  {name:<10} {ms:6.2f} ms; x {ENGINES} engines every second = {share:.2f} of the 2 % CPU budget")
+    print("## poll cost vs requests held (one engine; thread CPU ms, median; ratio to decode)")
+    print("| requests | form | KiB | decode (floor) | read | read+account | (conversion + account) / decode |")
+    print("|---|---|---|---|---|---|---|")
+    per_request: dict[str, float] = {}
+    for n in (1_000, 10_000, 100_000):
+        costs = document_costs(n, max(5, args.runs // (1 if n < 100_000 else 5)))
+        for form, c in costs.items():
+            print(f"| {n:,} | {form} | {c['KiB']:.0f} | {c['decode']:.2f} | {c['read']:.2f} | {c['read+account']:.2f} "
+                  f"| {(c['read+account'] - c['decode']) / c['decode']:.2f}x |", flush=True)
+            per_request[form] = c["read+account"] / n
+    for form, ms in per_request.items():
+        print(f"{form}: {ms * 1000:.2f} us per request read and accounted: one engine alone reaches the 2 % budget "
+              f"(20 ms a second, fetch aside) at about {BUDGET_MS / ms:,.0f} requests; eight engines at "
+              f"{BUDGET_MS / ms / 8:,.0f} each")
+    print()
+    print("## poll cost vs share of requests changing per second (1,250 requests; HTTP poll + account, thread CPU ms)")
+    print("| share changing | rows | columns | x 8 engines, columns, share of the 2 % budget |")
+    print("|---|---|---|---|")
+    for share in (0.0, 0.01, 0.1, 0.5, 1.0):
+        c = poll_costs(share, args.runs)
+        print(f"| {share:.0%} | {c['rows']:.2f} | {c['columns']:.2f} | {c['columns'] * 8 / BUDGET_MS:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

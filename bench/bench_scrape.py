@@ -1,7 +1,14 @@
-"""Scrape render time: /metrics for 8 GPUs, 8 engines, 16 tenants, 10,000 in-flight requests.
+"""Scrape cost: /metrics for 8 GPUs, 8 engines, 16 tenants, 10,000 in-flight requests.
 
-Reports the median render time and its ratio to the 10 ms budget, at two pool sizes to show
-the render does not depend on the number of blocks.  Run: .venv/bin/python bench/bench_scrape.py
+Side by side in one run, on the same Accounts (the same series):
+- ``generate_latest``: prometheus_client's renderer over the same catalogue families
+  (``AccountsCollector``), the reference;
+- ``render_text``: kvledger's renderer (once per new Accounts since issue 14);
+- ``from memory``: a scrape between two polls (``MetricsBody``: the bytes already rendered
+  and gzip-compressed), what every scrape but the first after a cycle costs.
+Medians and their ratios; at two pool sizes, to show the render does not depend on blocks.
+
+Run: .venv/bin/python bench/bench_scrape.py
 """
 
 from __future__ import annotations
@@ -9,33 +16,50 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import CollectorRegistry
 from workload import scrape_snapshot
 
+from kvledger.endpoints import MetricsBody
 from kvledger.policy import compute_accounts
-from kvledger.prometheus_output import render_text
+from kvledger.prometheus_output import AccountsCollector, render_text
 
 BUDGET_MS = 10.0
 
 
-def median_render_ms(blocks: int, runs: int = 200) -> tuple[float, int]:
-    accounts = compute_accounts(scrape_snapshot(blocks=blocks))
-    times = []
-    size = 0
+def medians(fns: dict[str, Callable[[], object]], runs: int = 200) -> dict[str, float]:
+    times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(runs):
-        t = time.perf_counter()
-        size = len(render_text(accounts))
-        times.append((time.perf_counter() - t) * 1000)
-    return statistics.median(times), size
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t) * 1000)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main() -> None:
     for blocks in (10_000, 1_000_000):
-        ms, size = median_render_ms(blocks)
-        print(f"scrape render, {blocks:>9,} blocks/pool: median {ms:.2f} ms ({ms / BUDGET_MS:.2f} of the 10 ms budget), {size:,} bytes")
+        accounts = compute_accounts(scrape_snapshot(blocks=blocks))
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(AccountsCollector(lambda a=accounts: a))
+        body = render_text(accounts)
+        series = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
+        cache = MetricsBody()
+        cache.get(accounts, None, True)
+        m = medians({
+            "generate_latest": lambda r=registry: generate_latest(r),
+            "render_text": lambda a=accounts: render_text(a),
+            "from memory": lambda a=accounts, c=cache: c.get(a, None, True),
+        })
+        print(f"{blocks:>9,} blocks/pool, {series:,} series: render_text {m['render_text']:.2f} ms "
+              f"({m['render_text'] / BUDGET_MS:.2f} of the 10 ms budget), generate_latest {m['generate_latest']:.2f} ms, "
+              f"render_text / generate_latest = {m['render_text'] / m['generate_latest']:.2f}; "
+              f"a scrape from memory {m['from memory'] * 1000:.1f} us ({m['from memory'] / m['render_text']:.4f} of a render)")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from kvledger.facts import EngineFacts, GpuFacts, PoolFacts, RequestFacts, Snaps
 from kvledger.limits import MAX_SAFE_INT
 from kvledger.policy import Accounts, compute_accounts
 from kvledger.prometheus_output import render_text
+from kvledger.requesttable import RequestTable
 
 FUZZ_EXAMPLES = int(os.environ.get("KVLEDGER_FUZZ_EXAMPLES", "200"))
 
@@ -63,7 +64,7 @@ def _walk(value: Any, path: str) -> Iterable[tuple[str, Any]]:
         for k, v in value.items():
             yield from _walk(v, f"{path}[{k!r}]")
         return
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple, RequestTable)):  # a RequestTable: walked as its RequestFacts
         for i, v in enumerate(value):
             yield from _walk(v, f"{path}[{i}]")
         return

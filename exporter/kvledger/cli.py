@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import dataclasses
 import difflib
+import gc
 import json
 import logging
 import math
@@ -19,6 +20,7 @@ from kvledger.collector import Collector
 from kvledger.config import Config, ConfigError, load_config
 from kvledger.json_view import accounts_to_json
 from kvledger.limits import MAX_CONTEXTS, MAX_TOKENS
+from kvledger.memory import limit_malloc_arenas
 from kvledger.policy import Accounts
 from kvledger.server import KvledgerHTTPServer
 from kvledger.sources.base import Source
@@ -117,11 +119,24 @@ def _run_until_signal(
     return 0
 
 
+def settle_garbage_collector() -> None:
+    """Move what start-up built (modules, the catalogue, the configuration) out of the
+    collector's way and collect less often: a poll allocates a few thousand short-lived
+    containers per engine, and the full collections that their count triggers would
+    otherwise walk every long-lived object again each time; and keep glibc to two heaps
+    rather than one per poll thread (docs/performance.md)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)
+    limit_malloc_arenas()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     for warning in config.warnings:
         log.warning("%s", warning)
     collector = _collector(config)
+    settle_garbage_collector()
     running = [config]
 
     def reload(server: KvledgerHTTPServer) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from kvledger.catalog import CATALOG
 from kvledger.config import LimitsConfig
 from kvledger.facts import EngineFacts, Sharing, Snapshot, SourceHealth
-from kvledger.label_limits import LabelLimitError, limit_labels
+from kvledger.label_limits import LabelLimitError, LimitCounts, limit_labels
 from kvledger.policy import Accounts, EngineAccount, budget_terms, engine_account, gpu_accounts
 from kvledger.sources.base import Contribution, EngineContribution, GpuContribution, Source, SourceError
 from kvledger.sources.http_client import redact_text
@@ -109,6 +109,9 @@ class Collector:
         self._subs: dict[tuple[str, str], SourceHealth] = {}
         self._sub_messages: dict[tuple[str, str], str | None] = {}
         self._pending: _Reconfiguration | None = None
+        # each engine's account with the inputs it was computed from (reused while they stay the same objects)
+        self._accounted: dict[str, tuple[tuple[object, ...], EngineAccount, LimitCounts]] = {}
+        self._last_limited: LimitCounts | None = None
         self.cycles = 0
 
     # ------------------------------------------------------------ public
@@ -302,6 +305,7 @@ class Collector:
         )
         fresh: set[str] = set()  # engines whose primary facts are new this cycle
         primary: dict[str, _Runner] = {}
+        inputs: dict[str, list[object]] = {}  # what was applied to each engine, in order
         contributions = [(r.latest.order, i, r) for i, r in enumerate(self._runners) if r.latest is not None]
         for _, _, r in sorted(contributions, key=lambda t: (t[0], t[1])):
             contribution = r.latest
@@ -311,6 +315,9 @@ class Collector:
             except Exception as exc:  # a malformed contribution fails its own source alone
                 self._invalid(r, exc)
                 continue
+            target = contribution.facts.name if isinstance(contribution, EngineContribution) else getattr(contribution, "engine", None)
+            if isinstance(target, str):
+                inputs.setdefault(target, []).append(contribution)
             if isinstance(contribution, EngineContribution):
                 name = contribution.facts.name
                 primary[name] = r
@@ -319,10 +326,28 @@ class Collector:
                     fresh.add(name)
 
         engines: list[EngineAccount] = []
+        base_of = {e.name: e for e in self.base_engines}
+        cache: dict[str, tuple[tuple[object, ...], EngineAccount, LimitCounts]] = {}
         for facts in snapshot.engines:
-            account = self._engine_account(facts, primary.get(facts.name), facts.name in fresh, snapshot)
-            if account is not None:
+            name = facts.name
+            key = (base_of.get(name), self.sharing, self.limits, *inputs.get(name, ()))
+            cached = self._accounted.get(name)
+            if cached is not None and len(cached[0]) == len(key) and all(a is b for a, b in zip(cached[0], key, strict=True)):
+                # the same inputs as last cycle (an idle engine's unchanged document): the
+                # same account, already checked; a fresh poll of it still counts its findings
+                account, limited = cached[1], cached[2]
+                if name in fresh:
+                    self._count_limited(name, limited)
+                    self._count_invariants(account)
                 engines.append(account)
+                cache[name] = cached
+                continue
+            computed = self._engine_account(facts, primary.get(name), name in fresh, snapshot)
+            if computed is not None:
+                engines.append(computed)
+                if self._last_limited is not None:
+                    cache[name] = (key, computed, self._last_limited)
+        self._accounted = cache
         snapshot.engines = [a.facts for a in engines]
 
         terms = budget_terms(snapshot.engines)
@@ -363,6 +388,7 @@ class Collector:
     ) -> EngineAccount | None:
         """The engine's account, or None; facts that cannot be accounted or rendered mark
         its primary source down and fall back to what the configuration alone says."""
+        self._last_limited = None
         try:
             limited_facts, limited = limit_labels(facts, self.limits)
             if fresh:
@@ -383,10 +409,14 @@ class Collector:
                 return None
             return account
         if fresh:
-            for check in account.invariant_violations:
-                key = (facts.name, check)
-                self._invariant_totals[key] = self._invariant_totals.get(key, 0) + 1
+            self._count_invariants(account)
+        self._last_limited = limited  # accounted from the engine's own facts: may be reused
         return account
+
+    def _count_invariants(self, account: EngineAccount) -> None:
+        for check in account.invariant_violations:
+            key = (account.name, check)
+            self._invariant_totals[key] = self._invariant_totals.get(key, 0) + 1
 
     def _account_failed(self, exc: BaseException) -> None:
         for r in self._runners:

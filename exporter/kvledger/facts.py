@@ -177,7 +177,8 @@ class EngineFacts:
     budgets: Budgets = field(default_factory=Budgets)
     pools: list[PoolFacts] = field(default_factory=list)
     # Individual requests when the source knows them (exact accounting); None = unknown.
-    requests: list[RequestFacts] | None = None
+    # (a RequestTable, columns, when read from a kvledger/v1 document)
+    requests: Sequence[RequestFacts] | None = None
     # Counts when only aggregate numbers are known (used when `requests` is None).
     request_counts: RequestCounts | None = None
     # Cumulative counters reported by the engine, keyed by COUNTER_NAMES; absent = unknown.

@@ -41,3 +41,19 @@ def release_freed_memory() -> bool:
             return False
         lib.malloc_trim(0)
         return True
+
+
+#: glibc's mallopt parameter for the number of malloc arenas
+_M_ARENA_MAX = -8
+
+
+def limit_malloc_arenas(arenas: int = 2) -> bool:
+    """Let glibc keep at most ``arenas`` heaps: by default every thread that allocates
+    gets its own (up to 8 per core), and each poll thread's arena keeps the pages of the
+    documents it parsed, so RSS grows with the number of engines polled at once. True
+    where glibc took it; elsewhere it does nothing."""
+    with _lock:
+        lib = _glibc()
+        if lib is None or not hasattr(lib, "mallopt"):
+            return False
+        return bool(lib.mallopt(ctypes.c_int(_M_ARENA_MAX), ctypes.c_int(arenas)))

@@ -11,7 +11,8 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
+from itertools import repeat
+from operator import eq
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from kvledger.facts import (
     Snapshot,
     SourceHealth,
 )
+from kvledger.requesttable import RequestTable
 
 ADMITTED_STATES = frozenset(("running", "preempted"))
 
@@ -343,18 +345,25 @@ class Accounts:
 # ---------------------------------------------------------------- pool arithmetic
 
 
-def _group_requests(engine: EngineFacts) -> dict[str, list[RequestFacts]]:
-    by_pool: dict[str, list[RequestFacts]] = {}
-    for req in engine.requests or ():
-        by_pool.setdefault(req.pool, []).append(req)
-    return by_pool
+def _split_by_pool(table: RequestTable, pools: Sequence[PoolFacts]) -> dict[str, RequestTable]:
+    """The requests of each pool (one table per pool id of ``pools``)."""
+    names = set(table.pools)
+    if len(names) <= 1:
+        only = next(iter(names), pools[0].id if pools else "")
+        return {p.id: table if p.id == only else table.select(np.zeros(len(table), dtype=bool)) for p in pools}
+    codes = {p.id: i for i, p in enumerate(pools)}
+    index = np.fromiter(map(codes.get, table.pools, repeat(-1)), dtype=np.int64, count=len(table))
+    return {p.id: table.select(index == i) for i, p in enumerate(pools)}
+
+
+_STATE_CODE = {"running": 0, "waiting": 1, "preempted": 2}
 
 
 @dataclass(slots=True)
 class RequestColumns:
     """The requests of one pool as numpy columns, with R(r) and held(r) computed once."""
 
-    requests: list[RequestFacts]
+    table: RequestTable
     reservation: np.ndarray  # R(r), blocks
     held: np.ndarray  # held(r), blocks
     admitted: np.ndarray  # running or preempted
@@ -363,6 +372,10 @@ class RequestColumns:
     computed: np.ndarray  # computed tokens
     contexts: np.ndarray  # n
     speculative: np.ndarray  # k
+
+    @property
+    def tenants(self) -> list[str | None]:
+        return self.table.tenants
 
     @property
     def preempted(self) -> np.ndarray:
@@ -383,20 +396,19 @@ class RequestColumns:
         return np.asarray(np.maximum(0, self.reservation - self.held))
 
 
-def _column(requests: list[RequestFacts], attr: str) -> np.ndarray:
-    return np.fromiter(map(attrgetter(attr), requests), dtype=np.int64, count=len(requests))
-
-
-def request_columns(requests: list[RequestFacts], pool: PoolFacts, max_model_len: int | None) -> RequestColumns:
-    n = len(requests)
-    states = [r.state for r in requests]
-    contexts = _column(requests, "contexts")
-    speculative = _column(requests, "speculative_slots")
+def request_columns(
+    requests: Sequence[RequestFacts], pool: PoolFacts, max_model_len: int | None
+) -> RequestColumns:
+    table = RequestTable.from_requests(requests)
+    n = len(table)
+    states = np.fromiter(map(_STATE_CODE.__getitem__, table.states), dtype=np.int8, count=n)
+    contexts = table.column("contexts")
+    speculative = table.column("speculative_slots")
     return RequestColumns(
-        requests=requests,
+        table=table,
         reservation=reservation_blocks(
-            _column(requests, "prompt_tokens"),
-            _column(requests, "max_output_tokens"),
+            table.column("prompt_tokens"),
+            table.column("max_output_tokens"),
             pool.block_size,
             max_model_len=max_model_len,
             contexts=contexts,
@@ -405,11 +417,13 @@ def request_columns(requests: list[RequestFacts], pool: PoolFacts, max_model_len
         )
         if n
         else np.zeros(0, dtype=np.int64),
-        held=np.fromiter(map(held_blocks, requests), dtype=np.int64, count=n),
-        admitted=np.fromiter((s in ADMITTED_STATES for s in states), dtype=bool, count=n),
-        running=np.fromiter((s == "running" for s in states), dtype=bool, count=n),
-        estimate=np.fromiter((r.output_bound == "estimate" for r in requests), dtype=bool, count=n),
-        computed=_column(requests, "computed_tokens"),
+        held=table.held(),
+        admitted=states != 1,
+        running=states == 0,
+        estimate=np.fromiter(map(eq, table.output_bounds, repeat("estimate")), dtype=bool, count=n)
+        if "estimate" in table.output_bounds
+        else np.zeros(n, dtype=bool),
+        computed=table.column("computed_tokens"),
         contexts=contexts,
         speculative=speculative,
     )
@@ -648,13 +662,13 @@ def _without_impossible(
     return acc
 
 
-def _request_invariants(pool: PoolFacts, requests: list[RequestFacts]) -> list[str]:
+def _request_invariants(pool: PoolFacts, requests: RequestTable) -> list[str]:
     """Every block a request lists must carry at least as many references as requests list it."""
-    if pool.block_refs is None:
+    if pool.block_refs is None or requests.block_ids is None:
         return []
     counted: dict[int, int] = {}
-    for req in requests:
-        for bid in req.block_ids or ():
+    for listed in requests.block_ids:
+        for bid in listed or ():
             counted[bid] = counted.get(bid, 0) + 1
     if not counted:
         return []
@@ -690,13 +704,14 @@ def tenant_accounts(
     out = [TenantAccount(engine.name, t.name, t.quota_bytes) for t in engine.tenants]
     if engine.requests is None:
         return out
-    index = {name: i for i, name in enumerate(names)}
+    index: dict[str | None, int] = {name: i for i, name in enumerate(names)}
     k = len(names)
     blocks = np.zeros(k, dtype=np.int64)
     byte_sums: list[int | None] = [0] * k
     counts = {state: np.zeros(k, dtype=np.int64) for state in ("running", "waiting", "preempted")}
     for pool_id, cols in columns.items():
-        tenant = np.fromiter((index.get(r.tenant or "", -1) for r in cols.requests), dtype=np.int64, count=len(cols.requests))
+        lookup_tenant: Callable[[str | None, int], int] = index.get
+        tenant = np.fromiter(map(lookup_tenant, cols.tenants, repeat(-1)), dtype=np.int64, count=len(cols.tenants))
         named = tenant >= 0
         for state, mask in (("running", cols.running), ("waiting", cols.waiting), ("preempted", cols.preempted)):
             counts[state] += np.bincount(tenant[named & mask], minlength=k)
@@ -715,11 +730,13 @@ def tenant_accounts(
 
 
 def engine_account(engine: EngineFacts, sharing: str) -> EngineAccount:
-    by_pool = _group_requests(engine) if engine.requests is not None else {}
+    by_pool: dict[str, RequestTable] = {}
+    if engine.requests is not None:
+        by_pool = _split_by_pool(RequestTable.from_requests(engine.requests), engine.pools)
     pool_map = {p.id: p for p in engine.pools}
     columns: dict[str, RequestColumns] = {}
     if engine.requests is not None:
-        columns = {p.id: request_columns(by_pool.get(p.id, []), p, engine.budgets.max_model_len) for p in engine.pools}
+        columns = {p.id: request_columns(by_pool[p.id], p, engine.budgets.max_model_len) for p in engine.pools}
     pools: list[PoolAccount] = []
     violations: list[str] = []
     for pool in engine.pools:
@@ -729,7 +746,7 @@ def engine_account(engine: EngineFacts, sharing: str) -> EngineAccount:
             acc = _without_impossible(engine, pool, acc, bad, columns.get(pool.id), sharing)
         pools.append(acc)
         violations.extend(bad)
-        if by_pool.get(pool.id):
+        if pool.id in by_pool and len(by_pool[pool.id]):
             violations.extend(_request_invariants(pool, by_pool[pool.id]))
     requests: dict[str, int | None]
     slots: dict[str, int] = {}

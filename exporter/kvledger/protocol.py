@@ -28,12 +28,14 @@ are counted as invariant violations by the policy).
 
 from __future__ import annotations
 
+import binascii
 import json
 import math
 from array import array
 from collections.abc import Mapping
 from functools import lru_cache
 from importlib import resources
+from itertools import repeat
 from operator import itemgetter
 from typing import Any, TypeVar, cast
 
@@ -69,8 +71,14 @@ from kvledger.limits import (
     MAX_SAFE_INT,
     MAX_TOKENS,
 )
+from kvledger.requesttable import INT_COLUMNS, RequestTable
 
 SCHEMA_ID = "kvledger/v1"
+#: an integer column of the columnar form given as machine integers: {"int64le": base64}
+BINARY_INT_KEY = "int64le"
+#: the media type of the columnar form (``request_columns``), which a reader asks for in
+#: its Accept header; integration/document_server.py serves it under the same name
+COLUMNS_MEDIA_TYPE = "application/vnd.kvledger.v1.columns+json"
 #: kind of a limit whose document gives no ``*_limit_kind``: never present a guess as hard
 DEFAULT_LIMIT_KIND: LimitKind = "estimate"
 
@@ -398,6 +406,268 @@ def _request_checked(raw: object, path: str, default_pool: str) -> RequestFacts:
     return out
 
 
+_NONE = type(None)
+_INT_RANGES: dict[str, tuple[int, int]] = {key: (minimum, maximum) for key, minimum, maximum in _OPTIONAL_COUNTS}
+_INT_RANGES["prompt_tokens"] = (0, MAX_TOKENS)
+_INT_RANGES["max_output_tokens"] = (0, MAX_TOKENS)
+_REQUIRED_INTS = ("prompt_tokens", "max_output_tokens")
+
+
+def _int_column_fast(values: list[Any], key: str, default: int) -> tuple[list[int], np.ndarray] | None:
+    """``values`` (ints, or None for the default) and their array when every one is an int of
+    the field's range; None on any doubt (the checked path then names the problem)."""
+    if not values:
+        return [], np.zeros(0, dtype=np.int64)
+    types = set(map(type, values))
+    if types == {int}:
+        out: list[int] = values
+    elif types <= {int, _NONE} and key not in _REQUIRED_INTS:
+        out = [default if v is None else v for v in values] if int in types else [default] * len(values)
+    else:
+        return None
+    arr = np.array(out, dtype=np.int64)  # OverflowError beyond int64: caught by the callers
+    minimum, maximum = _INT_RANGES[key]
+    if len(arr) and (int(arr.min()) < minimum or int(arr.max()) > maximum):
+        return None
+    return out, arr
+
+
+def _text_column_fast(values: list[Any], allow_empty: bool) -> bool:
+    types = set(map(type, values))
+    return types <= {str, _NONE} and (allow_empty or "" not in values)
+
+
+def _fits_pools(
+    pools: list[str], held: np.ndarray, block_ids: list[Any] | None, capacity: dict[str, int]
+) -> bool:
+    """Every request names a pool of the document and holds at most its capacity."""
+    names = set(pools)
+    if not names <= capacity.keys():
+        return False
+    if len(names) == 1:
+        cap: int | np.ndarray = capacity[next(iter(names))]
+    else:
+        cap = np.fromiter(map(capacity.__getitem__, pools), dtype=np.int64, count=len(pools))
+    if len(held) and bool((held > cap).any()):
+        return False
+    if block_ids is not None:
+        lens = np.fromiter((0 if b is None else len(b) for b in block_ids), dtype=np.int64, count=len(block_ids))
+        if len(lens) and bool((lens > cap).any()):
+            return False
+    return True
+
+
+def _block_ids_fast(values: list[Any]) -> list[list[int] | None] | bool | None:
+    """The block_ids column: None when no request lists blocks, False on any doubt."""
+    if not values or set(map(type, values)) == {_NONE}:
+        return None
+    for ids in values:
+        if ids is None:
+            continue
+        if type(ids) is not list or (ids and (set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) > MAX_SAFE_INT)):
+            return False
+    return values
+
+
+def _binary_int_column(value: Mapping[str, Any], path: str, n: int) -> np.ndarray:
+    """An integer column given as ``{"int64le": "<base64>"}``: n little-endian signed 64-bit
+    integers (ranges are checked with the other columns)."""
+    text = value.get(BINARY_INT_KEY)
+    if not isinstance(text, str) or set(value) != {BINARY_INT_KEY}:
+        raise ProtocolError(path, f'expected array, one value, or {{"{BINARY_INT_KEY}": base64}}, got {_show(value)}')
+    try:
+        raw = binascii.a2b_base64(text, strict_mode=True)  # checked in C (b64decode's validate runs a regex)
+    except (binascii.Error, ValueError):
+        raise ProtocolError(f"{path}.{BINARY_INT_KEY}", "is not base64") from None
+    if len(raw) != 8 * n:
+        raise ProtocolError(f"{path}.{BINARY_INT_KEY}", f"holds {len(raw)} bytes, not 8 for each of {n} requests")
+    return np.frombuffer(raw, dtype="<i8").astype(np.int64, copy=False)
+
+
+def _table_fast(
+    columns: dict[str, list[Any]], n: int, default_pool: str, capacity: dict[str, int], scalars: frozenset[str] = frozenset(),
+    binary: dict[str, np.ndarray] | None = None,
+) -> RequestTable | None:
+    """The requests when every value is canonical (the exact expected type, in range, ids
+    unique, pools known, within capacity); None on any doubt. Checks whole columns at C
+    speed: no per-request Python work on the common document."""
+    if n == 0:
+        return RequestTable([], [], [], [], [], {key: [] for key, _ in INT_COLUMNS})
+    try:
+        ids = columns["id"]
+        if set(map(type, ids)) != {str} or "" in ids or len(set(ids)) != n:
+            return None
+        states = columns["state"]
+        if not set(states) <= _STATES:
+            return None
+        bounds = columns["output_bound"]
+        bound_set = set(bounds)
+        if not bound_set <= _BOUNDS_OR_NONE:
+            return None
+        pools = columns["pool"]
+        if not _text_column_fast(pools, True):
+            return None
+        tenants = columns["tenant"]
+        if not _text_column_fast(tenants, True):
+            return None
+        ints: dict[str, list[int]] = {}
+        arrays: dict[str, np.ndarray] = {}
+        listed: dict[str, list[int]] = {}
+        for key, default in INT_COLUMNS:
+            if binary is not None and key in binary:  # machine integers: ranges checked on the array
+                arr = binary[key]
+                minimum, maximum = _INT_RANGES[key]
+                if len(arr) and (int(arr.min()) < minimum or int(arr.max()) > maximum):
+                    return None
+                arrays[key] = arr
+                continue
+            values = columns[key]
+            if key in scalars:  # one value for every request: checked once
+                one = _int_column_fast(values[:1], key, default)
+                if one is None:
+                    return None
+                listed[key], arrays[key] = one[0] * n, np.full(n, one[0][0], dtype=np.int64)
+                continue
+            col = _int_column_fast(values, key, default)
+            if col is None:
+                return None
+            listed[key], arrays[key] = col
+        ints.update(listed)
+        block_ids = _block_ids_fast(columns["block_ids"])
+        if block_ids is False:
+            return None
+    except (TypeError, OverflowError, ValueError):  # unhashable values, ints beyond int64
+        return None
+    assert block_ids is not True
+    if None in bound_set:
+        bounds = ["cap" if b is None else b for b in bounds]
+    if None in pools or "" in pools:
+        pools = [p or default_pool for p in pools]
+    if block_ids is not None and "blocks_held" in ints:
+        explicit = columns["blocks_held"]
+        if None in explicit:  # blocks_held defaults to len(block_ids)
+            held = [len(b) if h is None and b is not None else v
+                    for h, b, v in zip(explicit, block_ids, ints["blocks_held"], strict=True)]
+            ints["blocks_held"] = held
+            arrays["blocks_held"] = np.array(held, dtype=np.int64)
+    if not _fits_pools(pools, arrays["blocks_held"], block_ids, capacity):
+        return None
+    return RequestTable(ids, states, pools, tenants, bounds, ints, block_ids, arrays)
+
+
+_COLUMN_KEYS = ("id", "state", "pool", "tenant", "output_bound", *(k for k, _ in INT_COLUMNS), "block_ids")
+_BOUNDS_OR_NONE = frozenset((*OUTPUT_BOUNDS, None))
+
+
+def _requests_fast(raw: list[Any], default_pool: str, capacity: dict[str, int]) -> RequestTable | None:
+    """The row form (``requests[]``) read column by column; None on any doubt."""
+    n = len(raw)
+    if n and set(map(type, raw)) != {dict}:
+        return None
+    columns: dict[str, list[Any]] | None = None
+    if n:
+        # rows that all have the first row's keys (the usual document): one C call per row
+        keys = list(raw[0])
+        if set(map(len, raw)) == {len(keys)}:
+            try:
+                transposed = zip(*map(itemgetter(*keys), raw), strict=True) if len(keys) > 1 else None
+            except KeyError:
+                transposed = None
+            if transposed is not None:
+                try:
+                    found = dict(zip(keys, map(list, transposed), strict=True))
+                except KeyError:
+                    found = None
+                if found is not None:
+                    absent = [None] * n
+                    columns = {key: found.get(key, absent) for key in _COLUMN_KEYS}
+    if columns is None:
+        get = dict.get
+        columns = {key: list(map(get, raw, repeat(key))) for key in _COLUMN_KEYS}
+    return _table_fast(columns, n, default_pool, capacity)
+
+
+def _requests_checked(raw: list[Any], default_pool: str, capacity: dict[str, int]) -> RequestTable:
+    """The row form request by request, naming the field path of the first problem."""
+    requests = [_request(r, f"requests[{i}]", default_pool) for i, r in enumerate(raw)]
+    request_ids: set[str] = set()
+    for i, req in enumerate(requests):
+        if req.pool not in capacity:
+            raise ProtocolError(f"requests[{i}].pool", f"no pool with id {json.dumps(req.pool)}")
+        cap = capacity[req.pool]
+        if req.blocks_held > cap or (req.block_ids is not None and len(req.block_ids) > cap):
+            ids_over = req.block_ids is not None and len(req.block_ids) > cap
+            held = len(req.block_ids) if ids_over and req.block_ids is not None else req.blocks_held
+            raise ProtocolError(
+                f"requests[{i}].{'block_ids' if ids_over else 'blocks_held'}",
+                f"holds {held} blocks, more than pool {json.dumps(req.pool)} has ({cap})",
+            )
+        if req.id in request_ids:
+            raise ProtocolError(f"requests[{i}].id", f"duplicate request id {json.dumps(req.id)}")
+        request_ids.add(req.id)
+    return RequestTable.from_requests(requests)
+
+
+def _request_columns(value: object, default_pool: str, capacity: dict[str, int]) -> RequestTable:
+    """The columnar form (``request_columns``, docs/ledger.md): one array per request field,
+    entry i of every array describing request i. Same fields, types, ranges and rules as
+    ``requests[]``; errors name ``request_columns.<field>[i]``."""
+    path = "request_columns"
+    cols = _obj(value, path)
+    for key in ("id", "state", "prompt_tokens", "max_output_tokens"):
+        if cols.get(key) is None:
+            raise ProtocolError(f"{path}.{key}", "is required")
+    n = len(_arr(cols["id"], f"{path}.id"))
+    if n > MAX_REQUESTS:
+        raise ProtocolError(f"{path}.id", f"lists {n} requests, more than {MAX_REQUESTS}")
+    columns: dict[str, list[Any]] = {}
+    scalars: set[str] = set()
+    binary: dict[str, np.ndarray] = {}
+    for key in _COLUMN_KEYS:
+        column = cols.get(key)
+        if column is None:
+            columns[key] = [None] * n
+            continue
+        if key in _INT_RANGES and isinstance(column, Mapping):
+            binary[key] = _binary_int_column(column, f"{path}.{key}", n)
+            columns[key] = []  # listed only if a check needs the entries
+            continue
+        if key not in _ARRAY_ONLY and not isinstance(column, (list, Mapping)):
+            columns[key] = [column] * n  # one value for every request
+            scalars.add(key)
+            continue
+        column = _arr(column, f"{path}.{key}")
+        if len(column) != n:
+            raise ProtocolError(f"{path}.{key}", f"has {len(column)} entries, {path}.id has {n}")
+        columns[key] = column
+    fast = _table_fast(columns, n, default_pool, capacity, frozenset(scalars), binary)
+    if fast is not None:
+        return fast
+    for key, arr in binary.items():
+        columns[key] = arr.tolist()
+    # the checked walk: every entry as requests[] checks it, naming the first problem
+    rows = [{key: columns[key][i] for key in _COLUMN_KEYS if columns[key][i] is not None} for i in range(n)]
+    try:
+        return _requests_checked(rows, default_pool, capacity)
+    except ProtocolError as exc:
+        raise ProtocolError(_column_path(exc.path, scalars), exc.detail) from None
+
+
+#: columns that must be arrays; any other may be one value standing for every request
+_ARRAY_ONLY = frozenset(("id", "block_ids"))
+
+
+def _column_path(row_path: str, scalars: set[str]) -> str:
+    """``requests[3].prompt_tokens[0]`` -> ``request_columns.prompt_tokens[3][0]``
+    (``request_columns.pool`` for a column given as one value)."""
+    head, _, rest = row_path.partition("].")
+    index = head.removeprefix("requests[")
+    key, bracket, tail = rest.partition("[")
+    if key in scalars:
+        return f"request_columns.{key}"
+    return f"request_columns.{key}[{index}]" + (bracket + tail if bracket else "")
+
+
 def _host(raw: object) -> HostFacts:
     h = _obj(raw, "host")
     out = HostFacts(
@@ -438,29 +708,21 @@ def facts_from_document(doc: object, engine_name: str, *, default_kind: str = "l
             if pid in seen:
                 raise ProtocolError(f"pools[{i}].id", f"duplicate pool id {json.dumps(pid)}")
             seen.add(pid)
-    if "requests" not in d:
-        raise ProtocolError("requests", "is required")
-    raw_requests = _arr(d["requests"], "requests")
-    if len(raw_requests) > MAX_REQUESTS:
-        raise ProtocolError("requests", f"lists {len(raw_requests)} requests, more than {MAX_REQUESTS}")
     default_pool = pools[0].id
-    requests = [_request(r, f"requests[{i}]", default_pool) for i, r in enumerate(raw_requests)]
     capacity = {p.id: p.num_blocks for p in pools}
-    request_ids: set[str] = set()
-    for i, req in enumerate(requests):
-        if req.pool not in capacity:
-            raise ProtocolError(f"requests[{i}].pool", f"no pool with id {json.dumps(req.pool)}")
-        cap = capacity[req.pool]
-        if req.blocks_held > cap or (req.block_ids is not None and len(req.block_ids) > cap):
-            ids_over = req.block_ids is not None and len(req.block_ids) > cap
-            held = len(req.block_ids) if ids_over and req.block_ids is not None else req.blocks_held
-            raise ProtocolError(
-                f"requests[{i}].{'block_ids' if ids_over else 'blocks_held'}",
-                f"holds {held} blocks, more than pool {json.dumps(req.pool)} has ({cap})",
-            )
-        if req.id in request_ids:
-            raise ProtocolError(f"requests[{i}].id", f"duplicate request id {json.dumps(req.id)}")
-        request_ids.add(req.id)
+    requests: RequestTable
+    if "request_columns" in d:
+        if "requests" in d:
+            raise ProtocolError("request_columns", "a document carries requests or request_columns, not both")
+        requests = _request_columns(d["request_columns"], default_pool, capacity)
+    else:
+        if "requests" not in d:
+            raise ProtocolError("requests", "is required")
+        raw_requests = _arr(d["requests"], "requests")
+        if len(raw_requests) > MAX_REQUESTS:
+            raise ProtocolError("requests", f"lists {len(raw_requests)} requests, more than {MAX_REQUESTS}")
+        fast = _requests_fast(raw_requests, default_pool, capacity)
+        requests = fast if fast is not None else _requests_checked(raw_requests, default_pool, capacity)
 
     kind, version = default_kind, None
     if (engine := d.get("engine")) is not None:

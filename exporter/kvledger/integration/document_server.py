@@ -6,13 +6,26 @@ speaks the same HTTP/1.1 on a stream socket (``unix:///path`` URLs of the ledger
 source). Used by the simulator, by tests and by custom engines embedding
 ``kvledger.integration.reference_ledger.Ledger``.
 
+Two optional economies, both negotiated by the reader (docs/ledger.md, "Cheaper reads"):
+
+- conditional reads: every answer carries an ``ETag``; a GET whose ``If-None-Match`` names
+  the current one is answered ``304 Not Modified`` without a body. A render may return
+  ``(body, etag)`` when it knows its version (the vLLM integration does); otherwise the
+  ETag is a digest of the body;
+- the columnar form: given ``columns`` (a render of the same document with
+  ``request_columns`` in place of ``requests``), a GET whose ``Accept`` names
+  ``application/vnd.kvledger.v1.columns+json`` is answered with it. Readers that do not ask
+  get the row form, as before.
+
 ``server.fault`` injects failures for tests: ``"garbage"`` (a 200 with bytes that are
 not JSON), ``"status"`` (HTTP 500), ``"hang"`` (accept, then never answer until the
-server stops), ``None`` (normal).
+server stops), ``None`` (normal). A render that raises ``ValueError`` (nothing to serve
+yet) is answered 503.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socketserver
@@ -21,8 +34,35 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
-Render = Callable[[], dict[str, Any] | bytes]
+Render = Callable[[], dict[str, Any] | bytes | tuple[bytes, str]]
 FAULTS = (None, "garbage", "status", "hang")
+#: the media type of the row form, and of the columnar form a reader may ask for
+ROWS_TYPE = "application/json"
+COLUMNS_TYPE = "application/vnd.kvledger.v1.columns+json"
+
+
+def wants_columns(accept: str | None) -> bool:
+    """Whether an Accept header asks for the columnar form (with a quality above 0)."""
+    for part in (accept or "").split(","):
+        media, *params = (p.strip() for p in part.split(";"))
+        if media.lower() == COLUMNS_TYPE:
+            return not any(p.replace(" ", "") in ("q=0", "q=0.0", "q=0.00", "q=0.000") for p in params)
+    return False
+
+
+def representation(result: dict[str, Any] | bytes | tuple[bytes, str], tag: str) -> tuple[bytes, str]:
+    """(body, quoted ETag) of a render's result; ``tag`` tells the forms' ETags apart."""
+    if isinstance(result, tuple):
+        body, version = result
+        return body, f'"{tag}{version}"'
+    body = result if isinstance(result, bytes) else json.dumps(result, separators=(",", ":")).encode()
+    return body, f'"{tag}{hashlib.blake2b(body, digest_size=12).hexdigest()}"'
+
+
+def etag_matches(if_none_match: str | None, etag: str) -> bool:
+    if not if_none_match:
+        return False
+    return any(t.strip() in (etag, f"W/{etag}", "*") for t in if_none_match.split(","))
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -42,16 +82,32 @@ class _Handler(BaseHTTPRequestHandler):
         if fault == "garbage":
             self._send(200, b"\x00this is not json{")
             return
-        result = owner.render()
-        body = result if isinstance(result, bytes) else json.dumps(result, separators=(",", ":")).encode()
-        self._send(200, body)
+        columns = owner.columns is not None and wants_columns(self.headers.get("Accept"))
+        try:
+            result = owner.columns() if columns and owner.columns is not None else owner.render()
+        except ValueError as exc:
+            self._send(503, json.dumps({"error": str(exc)}).encode())
+            return
+        body, etag = representation(result, "c" if columns else "r")
+        headers = [("ETag", etag)]
+        if owner.columns is not None:
+            headers.append(("Vary", "Accept"))
+        if etag_matches(self.headers.get("If-None-Match"), etag):
+            self._send(304, b"", headers)
+            return
+        self._send(200, body, headers, COLUMNS_TYPE if columns else ROWS_TYPE)
 
-    def _send(self, status: int, body: bytes) -> None:
+    def _send(self, status: int, body: bytes, headers: list[tuple[str, str]] | None = None,
+              content_type: str = ROWS_TYPE) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
+        if status != 304:
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+        for name, value in headers or ():
+            self.send_header(name, value)
         self.end_headers()
-        self.wfile.write(body)
+        if status != 304:
+            self.wfile.write(body)
 
     def address_string(self) -> str:  # Unix sockets have no peer address
         return str(self.client_address[0]) if self.client_address else "unix"
@@ -84,8 +140,10 @@ class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer, _O
 class LedgerServer:
     """A running server; ``url`` is what a ledger source's config names."""
 
-    def __init__(self, render: Render, *, host: str = "127.0.0.1", port: int = 0, unix_path: str | None = None) -> None:
+    def __init__(self, render: Render, *, host: str = "127.0.0.1", port: int = 0, unix_path: str | None = None,
+                 columns: Render | None = None) -> None:
         self.render = render
+        self.columns = columns
         self.fault: str | None = None
         self.hang_seconds = 60.0
         self._stopping = threading.Event()
@@ -122,11 +180,12 @@ class LedgerServer:
         self.stop()
 
 
-def serve_http(render: Render, host: str = "127.0.0.1", port: int = 0) -> LedgerServer:
-    """Start serving ``render()`` on host:port (0 = an ephemeral port); see ``.url``."""
-    return LedgerServer(render, host=host, port=port).start()
+def serve_http(render: Render, host: str = "127.0.0.1", port: int = 0, *, columns: Render | None = None) -> LedgerServer:
+    """Start serving ``render()`` on host:port (0 = an ephemeral port); see ``.url``.
+    ``columns`` renders the columnar form for readers that ask for it."""
+    return LedgerServer(render, host=host, port=port, columns=columns).start()
 
 
-def serve_unix(render: Render, path: str) -> LedgerServer:
+def serve_unix(render: Render, path: str, *, columns: Render | None = None) -> LedgerServer:
     """Start serving ``render()`` as HTTP over the Unix socket ``path``; ``.url`` is ``unix://path``."""
-    return LedgerServer(render, unix_path=path).start()
+    return LedgerServer(render, unix_path=path, columns=columns).start()

@@ -656,8 +656,10 @@ class Ledger:
                 "reserved": self._reserved_blocks[p.spec.id],
             }
 
-    def to_document(self, *, include_blocks: bool = True) -> dict[str, Any]:
-        """Render kvledger/v1; ``include_blocks=False`` omits block_refs and block_ids (big ledgers)."""
+    def to_document(self, *, include_blocks: bool = True, columns: bool = False) -> dict[str, Any]:
+        """Render kvledger/v1; ``include_blocks=False`` omits block_refs and block_ids (big ledgers);
+        ``columns=True`` renders the columnar form (``request_columns`` in place of
+        ``requests``, docs/ledger.md): the same facts, for readers that ask for it."""
         with self._lock:
             pools = []
             for p in self._pools.values():
@@ -685,8 +687,30 @@ class Ledger:
                         [b, ref[b], bool(cached[b])] for b in range(p.spec.num_blocks) if ref[b] or cached[b]
                     ]
                 pools.append(pool_doc)
+            if columns:
+                live = list(self._requests.values())
+                table: dict[str, Any] = {
+                    "id": [r.id for r in live],
+                    "pool": [r.pool for r in live],
+                    "state": [r.state for r in live],
+                    "prompt_tokens": [r.prompt_tokens for r in live],
+                    "max_output_tokens": [r.max_output_tokens for r in live],
+                    "output_bound": [r.output_bound for r in live],
+                    "generated_tokens": [r.generated_tokens for r in live],
+                    "computed_tokens": [r.computed_tokens for r in live],
+                    "contexts": [r.contexts for r in live],
+                    "speculative_slots": [r.speculative_slots for r in live],
+                    "blocks_held": [len(r.blocks) for r in live],
+                }
+                if any(r.tenant is not None for r in live):
+                    table["tenant"] = [r.tenant for r in live]
+                for key, values in table.items():
+                    if key != "id" and values and values.count(values[0]) == len(values):
+                        table[key] = values[0]  # the same for every request: one value stands for all
+                if include_blocks:
+                    table["block_ids"] = [list(r.blocks) for r in live]
             requests = []
-            for r in self._requests.values():
+            for r in self._requests.values() if not columns else ():
                 rd: dict[str, Any] = {
                     "id": r.id,
                     "pool": r.pool,
@@ -717,9 +741,12 @@ class Ledger:
                     "max_model_len": self.max_model_len,
                 },
                 "pools": pools,
-                "requests": requests,
                 "counters": dict(self.counters),
             }
+            if columns:
+                doc["request_columns"] = table
+            else:
+                doc["requests"] = requests
             if self._memory:
                 doc["memory"] = [dict(t) for t in self._memory]
             if self._host:

@@ -9,7 +9,8 @@
   one byte a second cannot keep the poll waiting, because a watchdog thread shuts the
   socket down when the deadline passes, whatever the read in progress is doing;
 - ``http_status``: an answer other than 200 (redirects are not followed: a 3xx is an
-  error naming the status, never a fetch of another address);
+  error naming the status, never a fetch of another address); ``fetch(if_none_match=...)``
+  also takes 304 Not Modified, the answer to a conditional GET whose ETag still holds;
 - ``too_large``: the body passed ``max_bytes`` (checked against Content-Length before
   reading, and while streaming, so at most ``max_bytes`` plus one chunk is ever held);
 - ``parse``: not HTTP (bad status line, too many or too long header lines, truncated body).
@@ -181,6 +182,16 @@ def _target(url: str) -> _Target:
     return _Target(parts.scheme, parts.hostname, port, target, auth)
 
 
+@dataclass(frozen=True)
+class Answer:
+    """A 200 answer (``body``), or a 304 to a conditional GET (empty ``body``)."""
+
+    status: int
+    body: bytes
+    etag: str | None  # the answer's ETag header, when it had one
+    content_type: str | None
+
+
 class HttpClient:
     """GETs one URL, bounded by ``timeout`` seconds in all and ``max_bytes`` of body."""
 
@@ -212,11 +223,17 @@ class HttpClient:
 
     def get(self) -> bytes:
         """The body of a 200 answer; SourceError(connect|timeout|http_status|too_large|parse)."""
+        return self.fetch().body
+
+    def fetch(self, *, accept: str | None = None, if_none_match: str | None = None) -> Answer:
+        """A GET with ``accept`` in place of the client's Accept header and, when given,
+        ``If-None-Match``: a 200 answer, or a 304 (no body) when ``if_none_match`` still
+        names the document; SourceError as ``get``."""
         deadline = time.monotonic() + self.timeout
         conn = self._connection()
         with self._lock:
             self._conn = conn
-        body = b""
+        answer = Answer(0, b"", None, None)
         try:
             try:
                 conn.connect()
@@ -230,7 +247,7 @@ class HttpClient:
             token = _WATCHDOG.arm(conn.sock, deadline)
             error: tuple[str, str] | None = None
             try:
-                body = self._exchange(conn)
+                answer = self._exchange(conn, accept or self.accept, if_none_match)
             except SourceError as exc:
                 error = (exc.reason, exc.message)
             except TimeoutError:
@@ -247,7 +264,7 @@ class HttpClient:
             with self._lock:
                 self._conn = None
             conn.close()
-        return body
+        return answer
 
     def get_text(self) -> str:
         """``get()`` decoded as UTF-8; SourceError(parse) names the first bad byte."""
@@ -260,12 +277,17 @@ class HttpClient:
     def _late(self) -> str:
         return f"{self.where}: no complete answer within {self.timeout:g}s"
 
-    def _exchange(self, conn: http.client.HTTPConnection) -> bytes:
-        headers = {"Accept": self.accept, "Accept-Encoding": "identity", "User-Agent": "kvledger"}
+    def _exchange(self, conn: http.client.HTTPConnection, accept: str, if_none_match: str | None) -> Answer:
+        headers = {"Accept": accept, "Accept-Encoding": "identity", "User-Agent": "kvledger"}
         if self._target.authorization:
             headers["Authorization"] = self._target.authorization
+        if if_none_match:
+            headers["If-None-Match"] = if_none_match
         conn.request("GET", self._target.path, headers=headers)
         resp = conn.getresponse()
+        if resp.status == 304 and if_none_match:
+            resp.read()
+            return Answer(304, b"", resp.getheader("ETag") or if_none_match, None)
         if resp.status != 200:
             raise SourceError("http_status", f"{self.where}: HTTP {resp.status}" + _redirect_note(resp.status))
         length = resp.getheader("Content-Length")
@@ -285,7 +307,7 @@ class HttpClient:
             chunks.append(chunk)
         if length is not None and length.strip().isdigit() and size != int(length):
             raise SourceError("parse", f"{self.where}: body truncated after {size} of {int(length)} bytes")
-        return b"".join(chunks)
+        return Answer(200, b"".join(chunks), resp.getheader("ETag"), resp.getheader("Content-Type"))
 
 
 def _redirect_note(status: int) -> str:

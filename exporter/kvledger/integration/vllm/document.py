@@ -7,14 +7,22 @@ it copies the rows under the lock, re-renders the JSON of the rows that changed 
 its last render (each row's text is kept), and joins them. Between two publications a
 render returns the same bytes without work.
 
+Readers that ask for it get the columnar form (``render_columns``: ``request_columns``, one
+column per field, integers as base64 machine integers, docs/ledger.md), cheaper to write here and to read in the daemon when
+every running request moves at every step; both forms carry the publication's version as
+their ETag, so a reader's conditional GET of an unchanged ledger is answered 304.
+
 Standard library only: this module runs inside vLLM's EngineCore process.
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import sys
 import threading
 import time
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +61,16 @@ def _dumps(value: object) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
+def int64le(values: list[int]) -> dict[str, str]:
+    """An integer column of the columnar form as machine integers (docs/ledger.md):
+    ``{"int64le": base64 of little-endian signed 64-bit integers}``: written and read
+    without one number's text per request."""
+    packed = array("q", values)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return {"int64le": base64.b64encode(packed.tobytes()).decode("ascii")}
+
+
 class LedgerDocument:
     """The kvledger/v1 document of one engine core (one data-parallel rank)."""
 
@@ -77,6 +95,7 @@ class LedgerDocument:
         # owned by the render side
         self._fragments: dict[str, str] = {}
         self._rendered: tuple[int, bytes] | None = None
+        self._rendered_columns: tuple[int, bytes] | None = None
         self.render_seconds = 0.0  # cumulative: the engine's throttle counts it
 
     # ---------------------------------------------------------------- engine side
@@ -107,12 +126,15 @@ class LedgerDocument:
     # ---------------------------------------------------------------- server side
     def render(self) -> bytes:
         """The current document as JSON bytes (a 503-worthy ``ValueError`` before the first publication)."""
+        return self._render_versioned()[1]
+
+    def _render_versioned(self) -> tuple[int, bytes]:
         with self._render_lock:
             began = time.perf_counter()
             with self._lock:
                 version = self._version
                 if self._rendered is not None and self._rendered[0] == version:
-                    return self._rendered[1]
+                    return self._rendered
                 if self._summary is None:
                     raise ValueError("the engine has not scheduled yet: no ledger to serve")
                 rows = dict(self._rows)
@@ -128,7 +150,48 @@ class LedgerDocument:
             body = self._document(summary, budgets, stats, published_at, fragments.values()).encode()
             self._rendered = (version, body)
             self.render_seconds += time.perf_counter() - began
-            return body
+            return self._rendered
+
+    def render_tagged(self) -> tuple[bytes, str]:
+        """(the row form, its ETag): the publication's version names it."""
+        version, body = self._render_versioned()
+        return body, f"v{version}"
+
+    def render_columns(self) -> tuple[bytes, str]:
+        """(the columnar form, its ETag): ``request_columns`` in place of ``requests``."""
+        with self._render_lock:
+            began = time.perf_counter()
+            with self._lock:
+                version = self._version
+                cached = self._rendered_columns
+                if cached is not None and cached[0] == version:
+                    return cached[1], f"v{version}"
+                if self._summary is None:
+                    raise ValueError("the engine has not scheduled yet: no ledger to serve")
+                rows = list(self._rows.values())
+                summary, budgets, stats, published_at = self._summary, self._budgets, self._stats, self._published_at
+            pool = self._pool
+            columns: dict[str, Any] = {
+                "id": [r.id for r in rows],
+                "pool": pool.id,  # one value for every request (the same for each row here)
+                "state": [r.state for r in rows],
+                "prompt_tokens": int64le([r.prompt_tokens for r in rows]),
+                "max_output_tokens": int64le([r.max_output_tokens for r in rows]),
+                "output_bound": "cap",
+                "generated_tokens": int64le([r.generated_tokens for r in rows]),
+                "computed_tokens": int64le([r.computed_tokens for r in rows]),
+                "contexts": 1,
+                "speculative_slots": pool.speculative_slots,
+                "blocks_held": int64le([r.blocks_held for r in rows]),
+            }
+            if any(r.tenant is not None for r in rows):
+                columns["tenant"] = [r.tenant for r in rows]
+            head = self._document(summary, budgets, stats, published_at, ())
+            head = head[: head.rindex(',"requests":[')]
+            body = (head + ',"request_columns":' + _dumps(columns) + "}").encode()
+            self._rendered_columns = (version, body)
+            self.render_seconds += time.perf_counter() - began
+            return body, f"v{version}"
 
     def _row_json(self, row: RequestRow) -> str:
         pool = self._pool

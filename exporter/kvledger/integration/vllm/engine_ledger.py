@@ -61,12 +61,12 @@ class EngineLedger:
             directory = os.path.dirname(where)
             if directory:
                 os.makedirs(directory, exist_ok=True)
-            server = LedgerServer(self.document.render, unix_path=where)
+            server = LedgerServer(self.document.render_tagged, unix_path=where, columns=self.document.render_columns)
             # owner and group may connect (a sidecar shares the group, e.g. Kubernetes fsGroup)
             os.chmod(where, SOCKET_MODE)
             return server.start()
         host, _, port = where.rpartition(":")
-        return LedgerServer(self.document.render, host=host, port=int(port)).start()
+        return LedgerServer(self.document.render_tagged, host=host, port=int(port), columns=self.document.render_columns).start()
 
     # ---------------------------------------------------------------- hooks (engine thread)
     def after_schedule(self, output: Any) -> None:

@@ -25,10 +25,11 @@ import dataclasses
 import time
 
 from kvledger.config import EngineConfig
-from kvledger.facts import Budgets, EngineFacts, RequestFacts
+from kvledger.facts import Budgets, EngineFacts
+from kvledger.requesttable import RequestTable
 from kvledger.sources.base import SourceError
 from kvledger.sources.http_client import HttpClient
-from kvledger.sources.ledger import parse_document
+from kvledger.sources.ledger import DocumentReader
 
 DP_PLACEHOLDER = "{dp_rank}"
 
@@ -37,7 +38,7 @@ class LedgerReader:
     def __init__(self, address: str, cfg: EngineConfig) -> None:
         self.address = address
         self.cfg = cfg
-        self._clients: dict[str, HttpClient] = {}
+        self._readers: dict[str, DocumentReader] = {}
 
     def url(self, rank: str) -> str:
         return self.address.replace(DP_PLACEHOLDER, rank)
@@ -60,26 +61,26 @@ class LedgerReader:
                     f"ledger: the documents of {len(ranks)} ranks took over {self.cfg.timeout_seconds:g}s "
                     f"(rank {rank} not read)",
                 )
-            client = self._clients.get(rank)
-            if client is None:
+            reader = self._readers.get(rank)
+            if reader is None:
                 client = HttpClient(
                     self.url(rank), timeout=self.cfg.timeout_seconds, max_bytes=self.cfg.max_response_bytes,
                     accept="application/json",
                 )  # fmt: skip
-                self._clients[rank] = client
-            out[rank] = parse_document(client.get(), client.where, self.cfg.name)
+                reader = self._readers[rank] = DocumentReader(client, self.cfg.name)
+            out[rank] = reader.read()  # the columnar form and conditional reads when the rank serves them
         return out
 
     def close(self) -> None:
-        for client in self._clients.values():
-            client.abort()
+        for reader in self._readers.values():
+            reader.client.abort()
 
 
 def merge_ledger(metrics: EngineFacts, ledgers: dict[str, EngineFacts]) -> EngineFacts:
     """``metrics`` (the /metrics facts) with every pool and request taken from ``ledgers``
     (by data-parallel rank = pool id); SourceError ``schema`` when they disagree."""
     pools = []
-    requests: list[RequestFacts] = []
+    requests: list[RequestTable] = []
     for pool in metrics.pools:
         doc = ledgers.get(pool.id)
         if doc is None:
@@ -101,11 +102,11 @@ def merge_ledger(metrics: EngineFacts, ledgers: dict[str, EngineFacts]) -> Engin
             cached_blocks=pool.cached_blocks,
             source_violations=pool.source_violations + exact.source_violations,
         ))  # fmt: skip
-        requests.extend(doc.requests or [])
+        requests.append(RequestTable.from_requests(doc.requests or []))
     return dataclasses.replace(
         metrics,
         pools=pools,
-        requests=requests,
+        requests=RequestTable.concat(requests),
         request_counts=None,
         budgets=_budgets([ledgers[p.id].budgets for p in metrics.pools], metrics.budgets),
     )
