@@ -43,3 +43,15 @@ MAX_REQUESTS = 2**20
 def is_safe_number(value: float) -> bool:
     """Finite and within [0, MAX_SAFE_INT] (NaN compares false: rejected)."""
     return math.isfinite(value) and 0 <= value <= MAX_SAFE_INT
+
+#: the integer fields of a request (kvledger/v1 ``requests[]`` and ``request_columns``):
+#: name -> (minimum, maximum); ``prompt_tokens`` and ``max_output_tokens`` are required
+REQUEST_INT_RANGES: dict[str, tuple[int, int]] = {
+    "prompt_tokens": (0, MAX_TOKENS),
+    "max_output_tokens": (0, MAX_TOKENS),
+    "generated_tokens": (0, MAX_TOKENS),
+    "computed_tokens": (0, MAX_TOKENS),
+    "contexts": (1, MAX_CONTEXTS),
+    "speculative_slots": (0, MAX_TOKENS),
+    "blocks_held": (0, MAX_BLOCKS),
+}

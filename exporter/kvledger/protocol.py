@@ -43,6 +43,8 @@ import numpy as np
 import orjson
 
 from kvledger.blockrefs import BlockRefArray
+from kvledger.document_decoder import TypedRows, table_from_rows
+from kvledger.document_decoder import decode as decode_typed
 from kvledger.facts import (
     ADMISSIONS,
     BUDGET_CATEGORIES,
@@ -64,12 +66,12 @@ from kvledger.facts import (
 )
 from kvledger.limits import (
     MAX_BLOCKS,
-    MAX_CONTEXTS,
     MAX_LAYER_GROUPS,
     MAX_REF_COUNT,
     MAX_REQUESTS,
     MAX_SAFE_INT,
     MAX_TOKENS,
+    REQUEST_INT_RANGES,
 )
 from kvledger.requesttable import INT_COLUMNS, RequestTable
 
@@ -321,13 +323,8 @@ def _pool(raw: object, path: str) -> PoolFacts:
     return out
 
 
-_OPTIONAL_COUNTS = (
-    ("generated_tokens", 0, MAX_TOKENS),
-    ("computed_tokens", 0, MAX_TOKENS),
-    ("contexts", 1, MAX_CONTEXTS),
-    ("speculative_slots", 0, MAX_TOKENS),
-    ("blocks_held", 0, MAX_BLOCKS),
-)
+_REQUIRED_INTS = ("prompt_tokens", "max_output_tokens")
+_OPTIONAL_COUNTS = tuple((key, lo, hi) for key, (lo, hi) in REQUEST_INT_RANGES.items() if key not in _REQUIRED_INTS)
 _STATES = frozenset(REQUEST_STATES)
 _BOUNDS = frozenset(OUTPUT_BOUNDS)
 
@@ -407,10 +404,7 @@ def _request_checked(raw: object, path: str, default_pool: str) -> RequestFacts:
 
 
 _NONE = type(None)
-_INT_RANGES: dict[str, tuple[int, int]] = {key: (minimum, maximum) for key, minimum, maximum in _OPTIONAL_COUNTS}
-_INT_RANGES["prompt_tokens"] = (0, MAX_TOKENS)
-_INT_RANGES["max_output_tokens"] = (0, MAX_TOKENS)
-_REQUIRED_INTS = ("prompt_tokens", "max_output_tokens")
+_INT_RANGES = REQUEST_INT_RANGES
 
 
 def _int_column_fast(values: list[Any], key: str, default: int) -> tuple[list[int], np.ndarray] | None:
@@ -685,6 +679,18 @@ def _host(raw: object) -> HostFacts:
     return out
 
 
+class _ReadChecked(Exception):
+    """Typed rows that break a rule across requests: the body is read the checked way."""
+
+
+def _requests_row_form(value: object, default_pool: str, capacity: dict[str, int]) -> RequestTable:
+    raw_requests = _arr(value, "requests")
+    if len(raw_requests) > MAX_REQUESTS:
+        raise ProtocolError("requests", f"lists {len(raw_requests)} requests, more than {MAX_REQUESTS}")
+    fast = _requests_fast(raw_requests, default_pool, capacity)
+    return fast if fast is not None else _requests_checked(raw_requests, default_pool, capacity)
+
+
 def facts_from_document(doc: object, engine_name: str, *, default_kind: str = "ledger") -> EngineFacts:
     """Convert a kvledger/v1 document into the facts of engine ``engine_name``.
 
@@ -718,11 +724,13 @@ def facts_from_document(doc: object, engine_name: str, *, default_kind: str = "l
     else:
         if "requests" not in d:
             raise ProtocolError("requests", "is required")
-        raw_requests = _arr(d["requests"], "requests")
-        if len(raw_requests) > MAX_REQUESTS:
-            raise ProtocolError("requests", f"lists {len(raw_requests)} requests, more than {MAX_REQUESTS}")
-        fast = _requests_fast(raw_requests, default_pool, capacity)
-        requests = fast if fast is not None else _requests_checked(raw_requests, default_pool, capacity)
+        if isinstance(d["requests"], TypedRows):  # decoded by type (facts_from_json's fast path)
+            typed = table_from_rows(d["requests"].rows, default_pool, capacity)
+            if typed is None:
+                raise _ReadChecked
+            requests = typed
+        else:
+            requests = _requests_row_form(d["requests"], default_pool, capacity)
 
     kind, version = default_kind, None
     if (engine := d.get("engine")) is not None:
@@ -788,15 +796,33 @@ def facts_from_document(doc: object, engine_name: str, *, default_kind: str = "l
     )
 
 
-def facts_from_json(data: bytes | str, engine_name: str, *, default_kind: str = "ledger") -> EngineFacts:
-    """Parse JSON text then convert; invalid JSON is a ProtocolError at ``<document>``.
+class NotJsonError(ProtocolError):
+    """A body that is not JSON; ``line``, ``column`` and ``reason`` say where and why."""
 
-    Parsed with orjson, as the ledger source does: it rejects what is not JSON (NaN,
-    Infinity, numbers that overflow a double such as ``1e999``, invalid UTF-8) and nesting
-    deeper than 1024 levels (the stdlib parser raised RecursionError there).
+    def __init__(self, line: int, column: int, reason: str) -> None:
+        self.line, self.column, self.reason = line, column, reason
+        super().__init__("", f"invalid JSON at line {line}, column {column}: {reason}")
+
+
+def facts_from_json(data: bytes | str, engine_name: str, *, default_kind: str = "ledger") -> EngineFacts:
+    """Decode a kvledger/v1 body and convert it; a body that is not JSON raises
+    ``NotJsonError`` (a ProtocolError at ``<document>``).
+
+    The common document is decoded by type (``document_decoder``: requests checked while
+    they are parsed); anything that path does not take as is, is read the checked way:
+    parsed with orjson, which rejects what is not JSON (NaN, Infinity, numbers that
+    overflow a double such as ``1e999``, invalid UTF-8) and nesting deeper than 1024
+    levels, then converted field by field, naming the path of the first problem. Both
+    paths give the same facts for every document the fast one takes.
     """
+    typed = decode_typed(data)
+    if typed is not None:
+        try:
+            return facts_from_document(typed, engine_name, default_kind=default_kind)
+        except _ReadChecked:
+            pass
     try:
         doc = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
-        raise ProtocolError("", f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+        raise NotJsonError(exc.lineno, exc.colno, exc.msg) from None
     return facts_from_document(doc, engine_name, default_kind=default_kind)

@@ -21,12 +21,10 @@ import hashlib
 import threading
 from dataclasses import dataclass
 
-import orjson
-
 from kvledger.config import EngineConfig
 from kvledger.facts import EngineFacts
 from kvledger.memory import release_freed_memory
-from kvledger.protocol import COLUMNS_MEDIA_TYPE, ProtocolError, facts_from_document
+from kvledger.protocol import COLUMNS_MEDIA_TYPE, NotJsonError, ProtocolError, facts_from_json
 from kvledger.sources.base import EngineContribution, Source, SourceError
 from kvledger.sources.http_client import LARGE_BODY, HttpClient
 
@@ -37,11 +35,9 @@ ACCEPT = f"{COLUMNS_MEDIA_TYPE}, application/json;q=0.9"
 def parse_document(body: bytes, where: str, engine: str) -> EngineFacts:
     """The facts of a kvledger/v1 document body; SourceError ``parse`` or ``schema`` naming ``where``."""
     try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:  # also invalid UTF-8
-        raise SourceError("parse", f"{where}: document is not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
-    try:
-        return facts_from_document(doc, engine)
+        return facts_from_json(body, engine)
+    except NotJsonError as exc:  # also invalid UTF-8
+        raise SourceError("parse", f"{where}: document is not JSON (line {exc.line}, column {exc.column}: {exc.reason})") from None
     except ProtocolError as exc:
         raise SourceError("schema", f"{where}: not a kvledger/v1 document: {exc}") from None
 

@@ -1,0 +1,239 @@
+"""The typed fast path of kvledger/v1 bodies (``document_decoder``) against the checked path.
+
+``facts_from_json`` decodes the common document by type (msgspec) and reads anything else
+the checked way (orjson, then field by field). For every body, valid, mutated or not JSON
+at all, the result must be the checked path's: the same facts, or the same error. And the
+fast path must really take the documents engines send (it is not a path that never runs).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import orjson
+import pytest
+from fuzz_support import FUZZ
+from hypothesis import event, given
+from hypothesis import strategies as st
+from test_fuzz_protocol import documents, mutated_documents, raw_texts
+
+from kvledger import document_decoder
+from kvledger.facts import EngineFacts
+from kvledger.limits import MAX_BLOCKS, MAX_REQUESTS, MAX_TOKENS
+from kvledger.protocol import NotJsonError, ProtocolError, _ReadChecked, facts_from_document, facts_from_json
+from kvledger.requesttable import RequestTable
+
+
+def checked(body: bytes) -> EngineFacts | str:
+    """The checked path alone: orjson, then field by field; an error as its message."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        return str(NotJsonError(exc.lineno, exc.colno, exc.msg))
+    try:
+        return facts_from_document(doc, "e")
+    except ProtocolError as exc:
+        return str(exc)
+
+
+def dumps(doc: Any) -> bytes:
+    """JSON text of a fuzzed document, as any writer could send it: integers beyond 64 bits
+    and lone surrogates as json writes them, a value the fuzzer marks deleted as a string."""
+    try:
+        return orjson.dumps(doc, default=repr)
+    except orjson.JSONEncodeError:
+        return json.dumps(doc, default=repr).encode()
+
+
+def both(body: bytes) -> tuple[EngineFacts | str, EngineFacts | str]:
+    try:
+        fast: EngineFacts | str = facts_from_json(body, "e")
+    except ProtocolError as exc:
+        fast = str(exc)
+    return fast, checked(body)
+
+
+def taken_fast(body: bytes) -> bool:
+    """True when the typed path read the body's requests to the end (no fallback)."""
+    doc = document_decoder.decode(body)
+    if doc is None or not isinstance(doc.get("requests"), document_decoder.TypedRows):
+        return False
+    try:
+        facts_from_document(doc, "e")
+    except _ReadChecked:
+        return False
+    except ProtocolError:  # rejected for another part of the document, as the checked path rejects it
+        pass
+    return True
+
+
+def assert_same(body: bytes) -> EngineFacts | str:
+    fast, slow = both(body)
+    assert type(fast) is type(slow), (fast, slow)
+    if isinstance(fast, str):
+        assert fast == slow
+    else:
+        assert isinstance(fast.requests, RequestTable) and isinstance(slow, EngineFacts)
+        assert fast == slow
+        assert fast.requests is not None and slow.requests is not None
+        assert len(fast.requests) == len(slow.requests)
+        for name in ("prompt_tokens", "max_output_tokens", "generated_tokens", "computed_tokens", "contexts",
+                     "speculative_slots", "blocks_held"):  # the columns the policy reads
+            assert fast.requests.column(name).tolist() == RequestTable.from_requests(slow.requests).column(name).tolist()
+        assert fast.requests.held().tolist() == RequestTable.from_requests(slow.requests).held().tolist()
+    return fast
+
+
+# ---------------------------------------------------------------- properties
+
+
+@FUZZ
+@given(documents())
+def test_valid_documents_take_the_fast_path_with_the_same_facts(doc: dict[str, Any]) -> None:
+    body = orjson.dumps(doc)
+    assert taken_fast(body)
+    assert isinstance(assert_same(body), EngineFacts)
+
+
+@FUZZ
+@given(mutated_documents())
+def test_mutated_documents_read_alike(doc: dict[str, Any]) -> None:
+    body = dumps(doc)
+    event("fast" if taken_fast(body) else "checked")
+    assert_same(body)
+
+
+@FUZZ
+@given(raw_texts())
+def test_raw_texts_read_alike(body: bytes) -> None:
+    event("fast" if taken_fast(body) else "checked")
+    assert_same(body)
+
+
+_ROW_VALUES = st.one_of(
+    st.integers(-2, 3), st.sampled_from([MAX_TOKENS, MAX_TOKENS + 1, MAX_BLOCKS, 2**53, 2**63, 2**64, 1.0, 2.5, True, None]),
+    st.sampled_from(["", "r", "running", "cap", "estimate", "0", "\udc80"]), st.lists(st.integers(-1, 3), max_size=3),
+)
+_ROW_KEYS = ("id", "state", "pool", "tenant", "output_bound", "prompt_tokens", "max_output_tokens", "generated_tokens",
+             "computed_tokens", "contexts", "speculative_slots", "blocks_held", "block_ids", "extra")
+
+
+@FUZZ
+@given(st.lists(st.dictionaries(st.sampled_from(_ROW_KEYS), _ROW_VALUES, max_size=6), max_size=4))
+def test_fuzzed_rows_read_alike(changes: list[dict[str, Any]]) -> None:
+    """Rows of a valid document with fields set to edge values (types, ranges, nulls,
+    duplicates, unknown keys, lone surrogates)."""
+    doc = _doc(len(changes))
+    for row, change in zip(doc["requests"], changes, strict=True):
+        row.update(change)
+    body = dumps(doc)
+    event("fast" if taken_fast(body) else "checked")
+    assert_same(body)
+
+
+# ---------------------------------------------------------------- pinned cases
+
+
+def _doc(n: int = 3) -> dict[str, Any]:
+    return {
+        "schema": "kvledger/v1",
+        "pools": [{"id": "0", "block_size": 16, "block_bytes": 4096, "num_blocks": 100},
+                  {"id": "swa", "block_size": 16, "block_bytes": 4096, "num_blocks": 10}],
+        "requests": [{"id": f"r{i}", "state": "running", "prompt_tokens": 40, "max_output_tokens": 100, "blocks_held": 3}
+                     for i in range(n)],
+    }
+
+
+def _with(change: Any) -> bytes:
+    doc = _doc()
+    change(doc)
+    return orjson.dumps(doc)
+
+
+FALLBACKS = {
+    "an integral float": lambda d: d["requests"][0].update(prompt_tokens=40.0),
+    "a null count": lambda d: d["requests"][1].update(contexts=None),
+    "a field the schema does not list": lambda d: d["requests"][0].update(note="x"),
+    "a top-level key the schema does not list": lambda d: d.update(future={"x": 1}),
+    "duplicate request ids": lambda d: d["requests"][1].update(id="r0"),
+    "an unknown pool": lambda d: d["requests"][2].update(pool="nope"),
+    "more blocks than the pool": lambda d: d["requests"][2].update(pool="swa", blocks_held=11),
+    "more block ids than the pool": lambda d: d["requests"][2].update(pool="swa", block_ids=list(range(11)), blocks_held=None),
+    "an empty id": lambda d: d["requests"][0].update(id=""),
+    "an unknown state": lambda d: d["requests"][0].update(state="done"),
+    "a count out of range": lambda d: d["requests"][0].update(contexts=0),
+    "a negative block id": lambda d: d["requests"][0].update(block_ids=[-1]),
+    "a boolean count": lambda d: d["requests"][0].update(generated_tokens=True),
+    "null requests": lambda d: d.update(requests=None),
+    "no requests": lambda d: d.pop("requests"),
+    "a request that is not an object": lambda d: d["requests"].append([1, 2]),
+    "a document that is an array": lambda d: d.clear(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FALLBACKS))
+def test_what_the_fast_path_does_not_take_is_read_the_checked_way(name: str) -> None:
+    body = _with(FALLBACKS[name])
+    if name == "a document that is an array":
+        body = b"[1]"
+    assert not taken_fast(body)
+    assert_same(body)
+
+
+@pytest.mark.parametrize("text", [
+    b'{"schema": "kvledger/v1", "future": 1e999, "pools": [{"id": "0", "block_size": 16, "block_bytes": 1, "num_blocks": 1}], "requests": []}',
+    b'{"schema": "kvledger/v1", "future": "\xff", "pools": [{"id": "0", "block_size": 16, "block_bytes": 1, "num_blocks": 1}], "requests": []}',
+    b'{"schema": "kvledger/v1", "pools": [{"id": "0", "block_size": 16, "block_bytes": 1, "num_blocks": 1}], "requests": [{"id": "a", "state": "running", "prompt_tokens": 1, "max_output_tokens": 1, "x": NaN}]}',
+    b'{"schema": "kvledger/v1", "pools": [{"id": "0", "block_size": 16, "block_bytes": 1, "num_blocks": 1}], "requests": [{"id": "a", "state": "running", "prompt_tokens": 1, "max_output_tokens": 1, "x": "\xff"}]}',
+    b'{"schema": "kvledger/v1", "pools": [{"id": "0", "block_size": 16, "block_bytes": 1, "num_blocks": 1}], "requests": [{"id": "\\ud800", "state": "running", "prompt_tokens": 1, "max_output_tokens": 1}]}',
+    b'{"schema": "kvledger/v1", "pools": [], "requests": []} x',
+    b'\xef\xbb\xbf{"schema": "kvledger/v1"}',
+])
+def test_what_is_not_json_anywhere_is_rejected_as_the_checked_path_rejects_it(text: bytes) -> None:
+    fast, slow = both(text)
+    assert isinstance(fast, str) and fast == slow
+
+
+def test_defaults_and_nulls_of_optional_fields() -> None:
+    """Absent fields take the protocol's defaults; blocks_held defaults to len(block_ids)."""
+    doc = _doc(4)
+    doc["requests"][0] = {"id": "a", "state": "waiting", "prompt_tokens": 5, "max_output_tokens": 7}
+    doc["requests"][1] = {"id": "b", "state": "running", "prompt_tokens": 5, "max_output_tokens": 7, "block_ids": [1, 2]}
+    doc["requests"][2] = {"id": "c", "state": "running", "prompt_tokens": 5, "max_output_tokens": 7, "block_ids": [1],
+                          "blocks_held": 4, "pool": "", "tenant": None, "output_bound": None}
+    body = orjson.dumps(doc)
+    assert taken_fast(body)
+    facts = assert_same(body)
+    assert isinstance(facts, EngineFacts) and facts.requests is not None
+    a, b, c, d = facts.requests
+    assert (a.contexts, a.generated_tokens, a.blocks_held, a.output_bound, a.pool, a.tenant) == (1, 0, 0, "cap", "0", None)
+    assert (b.blocks_held, b.block_ids) == (2, [1, 2])
+    assert (c.blocks_held, c.pool, c.output_bound) == (4, "0", "cap")
+    assert d.blocks_held == 3
+
+
+def test_the_vllm_integrations_document_takes_the_fast_path() -> None:
+    """The in-engine vLLM integration adds its own ``integration`` key: still the fast path."""
+    doc = _doc()
+    doc["integration"] = {"name": "kvledger-vllm", "dp_rank": 0, "publications": 12}
+    body = orjson.dumps(doc)
+    assert taken_fast(body)
+    assert_same(body)
+
+
+def test_too_many_requests_is_named_by_the_checked_path() -> None:
+    doc = _doc(0)
+    doc["requests"] = [{"id": str(i), "state": "waiting", "prompt_tokens": 0, "max_output_tokens": 0} for i in range(MAX_REQUESTS + 1)]
+    body = orjson.dumps(doc)
+    fast, slow = both(body)
+    assert fast == slow == f"requests: lists {MAX_REQUESTS + 1} requests, more than {MAX_REQUESTS}"
+
+
+def test_the_document_is_not_changed_by_reading() -> None:
+    doc = _doc()
+    body = orjson.dumps(doc)
+    before = copy.deepcopy(doc)
+    facts_from_json(body, "e")
+    assert orjson.loads(body) == before
