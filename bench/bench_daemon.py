@@ -7,10 +7,11 @@ every block_size tokens, ~5 % of the requests are replaced every second; each en
 the next second's document at each poll. The documents are rendered before the run (60
 seconds of them, cycled) so the bench's own work stays out of the figures.
 
-Phases, one after the other in one run, each ``--seconds`` long:
+Phases, each ``--seconds`` long; in each, the floor and the daemon run side by side and are
+measured over the same seconds (this machine's speed drifts by tens of percent over minutes):
 - ``floor (rows)``: a process that only fetches each engine's row-form document with the
   daemon's HTTP client and decodes it with orjson, every second: the cost of reading the inputs;
-- ``daemon (rows)``: ``kvledger serve`` against plain v1 servers (row form only);
+  ``daemon (rows)``: ``kvledger serve`` against plain v1 servers (row form only);
 - ``floor (columns)`` and ``daemon (columns)``: the same with servers that offer the columnar
   form (the daemon asks for it; the floor fetches it the same way);
 - ``daemon (idle)``: the same servers with documents that do not change (conditional reads: 304).
@@ -100,20 +101,23 @@ class Engines:
             s.stop()
 
 
-def measure(pid: int, seconds: float, scrape_port: int | None) -> tuple[float, float]:
-    """(CPU % of a core, RSS peak MB) of ``pid`` over ``seconds``, scraping every 15 s."""
-    _, cpu0 = proc_figures(pid)
+def measure(pids: dict[str, int], seconds: float, scrape_port: int | None) -> dict[str, tuple[float, float]]:
+    """(CPU % of a core, RSS peak MB) of each process over the same ``seconds``, scraping
+    the daemon every 15 s."""
+    cpu0 = {name: proc_figures(pid)[1] for name, pid in pids.items()}
     t0 = time.monotonic()
-    peak, next_scrape = 0.0, t0
+    peak = dict.fromkeys(pids, 0.0)
+    next_scrape = t0
     while time.monotonic() - t0 < seconds:
         if scrape_port is not None and time.monotonic() >= next_scrape:
             req = urllib.request.Request(f"http://127.0.0.1:{scrape_port}/metrics", headers={"Accept-Encoding": "gzip"})
             urllib.request.urlopen(req, timeout=5).read()
             next_scrape += 15
-        peak = max(peak, proc_figures(pid)[0])
+        for name, pid in pids.items():
+            peak[name] = max(peak[name], proc_figures(pid)[0])
         time.sleep(0.5)
-    _, cpu1 = proc_figures(pid)
-    return (cpu1 - cpu0) / (time.monotonic() - t0) * 100, peak
+    elapsed = time.monotonic() - t0
+    return {name: ((proc_figures(pid)[1] - cpu0[name]) / elapsed * 100, peak[name]) for name, pid in pids.items()}
 
 
 def wait_ready(port: int) -> None:
@@ -150,27 +154,26 @@ def main() -> None:
         for mode in args.forms.split(","):
             engines.mode = mode
             accept = "application/json" if mode == "rows" else "application/vnd.kvledger.v1.columns+json"
-            floor = subprocess.Popen([sys.executable, "-c", FLOOR, accept, *(s.url for s in engines.servers)], env=env)
-            try:
-                time.sleep(3)
-                results[f"floor ({mode})"] = measure(floor.pid, args.seconds, None)
-            finally:
-                floor.terminate()
-                floor.wait(10)
             port = 19_000 + os.getpid() % 1000
+            floor = subprocess.Popen([sys.executable, "-c", FLOOR, accept, *(s.url for s in engines.servers)], env=env)
             daemon = subprocess.Popen([sys.executable, "-m", "kvledger.cli", "serve", "--config", str(cfg), "--listen",
                                        f"127.0.0.1:{port}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:
                 wait_ready(port)
                 time.sleep(5)  # warm up
-                results[f"daemon ({mode})"] = measure(daemon.pid, args.seconds, port)
+                # side by side: the floor and the daemon over the same seconds, so the
+                # machine's drift touches both alike
+                both = measure({"floor": floor.pid, "daemon": daemon.pid}, args.seconds, port)
+                results[f"floor ({mode})"], results[f"daemon ({mode})"] = both["floor"], both["daemon"]
                 if mode == "columns":
+                    floor.terminate()
                     engines.mode = "idle"
                     time.sleep(3)
-                    results["daemon (idle)"] = measure(daemon.pid, args.seconds, port)
+                    results["daemon (idle)"] = measure({"daemon": daemon.pid}, args.seconds, port)["daemon"]
             finally:
-                daemon.terminate()
-                daemon.wait(10)
+                for p in (floor, daemon):
+                    p.terminate()
+                    p.wait(10)
     finally:
         engines.stop()
     print("| phase | CPU (% of a core) | RSS peak (MB) | vs its floor |")

@@ -140,9 +140,10 @@ def table_from_rows(rows: list[Row], default_pool: str, capacity: dict[str, int]
     if len(set(ids)) != n:
         return None
     pools: list[str] = list(columns["pool"])
-    if None in pools or "" in pools:
-        pools = [p or default_pool for p in pools]
     names = set(pools)
+    if None in names or "" in names:
+        pools = [p or default_pool for p in pools]
+        names = set(pools)
     if not names <= capacity.keys():
         return None
     bounds: list[str | None] = list(columns["output_bound"])
@@ -152,7 +153,7 @@ def table_from_rows(rows: list[Row], default_pool: str, capacity: dict[str, int]
     assert block_ids is not None
     if block_ids.count(None) == n:
         block_ids = None
-    arrays = {key: np.array(columns[key], dtype=np.int64) for key in INT_NAMES}
+    arrays = {key: np.fromiter(columns[key], dtype=np.int64, count=n) for key in INT_NAMES}
     held = arrays["blocks_held"]
     if bool((held == HELD_ABSENT).any()):  # blocks_held defaults to len(block_ids), else 0
         listed = block_ids or repeat(None)
