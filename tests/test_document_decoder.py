@@ -18,6 +18,7 @@ from fuzz_support import FUZZ
 from hypothesis import event, given
 from hypothesis import strategies as st
 from test_fuzz_protocol import documents, mutated_documents, raw_texts
+from test_wire_forms import to_columns
 
 from kvledger import document_decoder
 from kvledger.facts import EngineFacts
@@ -58,7 +59,8 @@ def both(body: bytes) -> tuple[EngineFacts | str, EngineFacts | str]:
 def taken_fast(body: bytes) -> bool:
     """True when the typed path read the body's requests to the end (no fallback)."""
     doc = document_decoder.decode(body)
-    if doc is None or not isinstance(doc.get("requests"), document_decoder.TypedRows):
+    typed = (document_decoder.TypedRows, document_decoder.TypedColumns)
+    if doc is None or not isinstance(doc.get("requests", doc.get("request_columns")), typed):
         return False
     try:
         facts_from_document(doc, "e")
@@ -237,3 +239,63 @@ def test_the_document_is_not_changed_by_reading() -> None:
     before = copy.deepcopy(doc)
     facts_from_json(body, "e")
     assert orjson.loads(body) == before
+
+
+# ---------------------------------------------------------------- the columnar form
+
+
+@FUZZ
+@given(documents(), st.booleans(), st.booleans())
+def test_valid_columnar_documents_take_the_fast_path_with_the_same_facts(doc: dict[str, Any], compact: bool, binary: bool) -> None:
+    body = orjson.dumps(to_columns(doc, compact, binary))
+    assert taken_fast(body)
+    fast = assert_same(body)
+    assert isinstance(fast, EngineFacts)
+    assert fast == facts_from_json(orjson.dumps(doc), "e")  # and the row form's facts
+
+
+_COLUMN_VALUES = st.one_of(
+    _ROW_VALUES, st.lists(_ROW_VALUES, max_size=4), st.just({"int64le": "AAAAAAAAAAA="}), st.just({"int64le": "!"}),
+    st.just({"int64le": "AAAAAAAAAAA=", "x": 1}), st.just({}),
+)
+
+
+@FUZZ
+@given(documents(), st.booleans(), st.booleans(),
+       st.lists(st.tuples(st.sampled_from(_ROW_KEYS), st.one_of(st.none(), st.integers(0, 7)), _COLUMN_VALUES), max_size=3))
+def test_mutated_columnar_documents_read_alike(doc: dict[str, Any], compact: bool, binary: bool,
+                                               changes: list[tuple[str, int | None, Any]]) -> None:
+    """Columns replaced, entries changed, columns given as one value, machine integers
+    that are not base64 or of the wrong length, unknown keys."""
+    columnar = to_columns(doc, compact, binary)
+    cols = columnar["request_columns"]
+    for key, index, value in changes:
+        column = cols.get(key)
+        if index is not None and isinstance(column, list) and index < len(column):
+            column[index] = value
+        else:
+            cols[key] = value
+    body = dumps(columnar)
+    event("fast" if taken_fast(body) else "checked")
+    assert_same(body)
+
+
+@pytest.mark.parametrize(("key", "value", "fast", "accepted"), [
+    ("contexts", [None, 2, 1], True, True),  # a null entry is the default
+    ("blocks_held", [None, 2, 1], True, True),
+    ("prompt_tokens", [40.0, 40, 40], False, True),  # an integral float: the checked path reads it
+    ("note", 1, False, True),  # a field the schema does not list: the same
+    ("id", ["r0", "r0", "r2"], False, False),  # the errors: named by the checked path
+    ("pool", ["0", "9", "0"], False, False),
+    ("blocks_held", [1, 2], False, False),
+    ("prompt_tokens", {"int64le": "!"}, False, False),
+    ("blocks_held", {"int64le": "AAAAAAAAAAA="}, False, False),
+    ("state", "done", False, False),
+    ("id", "r0", False, False),
+])
+def test_columnar_fallbacks_and_edges(key: str, value: Any, fast: bool, accepted: bool) -> None:
+    doc = to_columns(_doc(3))
+    doc["request_columns"][key] = value
+    body = orjson.dumps(doc)
+    assert taken_fast(body) is fast
+    assert isinstance(assert_same(body), EngineFacts) is accepted

@@ -22,6 +22,7 @@ property tests compare (tests/test_document_decoder.py).
 
 from __future__ import annotations
 
+import binascii
 from itertools import repeat
 from typing import Annotated, Any
 
@@ -74,6 +75,50 @@ class Row(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     block_ids: list[_BlockId] | None = None
 
 
+class Int64le(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """An integer column given as machine integers: ``{"int64le": "<base64>"}``."""
+
+    int64le: str
+
+
+def _column(item: Any) -> Any:
+    """A ``request_columns`` field: an array of ``item``, or one value for every request."""
+    return list[item] | item
+
+
+def _int_column(count: Any) -> Any:
+    return list[count | None] | count | Int64le
+
+
+class Columns(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """``request_columns`` as the schema defines it; None where a field or an entry is
+    absent or null (the checked path reads both alike). Integral floats, or a field the
+    schema does not list, send the document to the checked path."""
+
+    id: list[Annotated[str, msgspec.Meta(min_length=1)]]
+    state: _column(RequestState)  # type: ignore[valid-type]
+    prompt_tokens: _int_column(_Prompt)  # type: ignore[valid-type]
+    max_output_tokens: _int_column(_Output)  # type: ignore[valid-type]
+    pool: list[str | None] | str | None = None
+    tenant: list[str | None] | str | None = None
+    output_bound: list[OutputBound | None] | OutputBound | None = None
+    generated_tokens: _int_column(_Generated) | None = None  # type: ignore[valid-type]
+    computed_tokens: _int_column(_Computed) | None = None  # type: ignore[valid-type]
+    contexts: _int_column(_Contexts) | None = None  # type: ignore[valid-type]
+    speculative_slots: _int_column(_Speculative) | None = None  # type: ignore[valid-type]
+    blocks_held: _int_column(_Held) | None = None  # type: ignore[valid-type]
+    block_ids: list[list[_BlockId] | None] | None = None
+
+
+class TypedColumns:
+    """The ``request_columns`` of a document decoded as ``Columns`` (see ``decode``)."""
+
+    __slots__ = ("columns",)
+
+    def __init__(self, columns: Columns) -> None:
+        self.columns = columns
+
+
 class TypedRows:
     """The ``requests`` of a document decoded as ``Row`` structs (see ``decode``)."""
 
@@ -95,22 +140,23 @@ class _Document(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     overflow: msgspec.Raw = _ABSENT
     budgets: msgspec.Raw = _ABSENT
     pools: msgspec.Raw = _ABSENT
-    request_columns: msgspec.Raw = _ABSENT
     counters: msgspec.Raw = _ABSENT
     memory: msgspec.Raw = _ABSENT
     host: msgspec.Raw = _ABSENT
     tenants: msgspec.Raw = _ABSENT
     integration: msgspec.Raw = _ABSENT
     requests: Annotated[list[Row], msgspec.Meta(max_length=MAX_REQUESTS)] | msgspec.UnsetType = msgspec.UNSET
+    request_columns: Columns | msgspec.UnsetType = msgspec.UNSET
 
 
-_RAW_KEYS = tuple(name for name in _Document.__struct_fields__ if name != "requests")
+_RAW_KEYS = tuple(name for name in _Document.__struct_fields__ if name not in ("requests", "request_columns"))
 _DECODER = msgspec.json.Decoder(_Document)
 
 
 def decode(body: bytes | str) -> dict[str, Any] | None:
     """The document as ``protocol.facts_from_document`` reads it, its ``requests`` as
-    ``TypedRows``; None where the checked path must read it."""
+    ``TypedRows`` and its ``request_columns`` as ``TypedColumns``; None where the checked
+    path must read it."""
     try:
         doc = _DECODER.decode(body)
         out: dict[str, Any] = {}
@@ -122,6 +168,8 @@ def decode(body: bytes | str) -> dict[str, Any] | None:
         return None
     if doc.requests is not msgspec.UNSET:
         out["requests"] = TypedRows(doc.requests)
+    if doc.request_columns is not msgspec.UNSET:
+        out["request_columns"] = TypedColumns(doc.request_columns)
     return out
 
 
@@ -161,16 +209,106 @@ def table_from_rows(rows: list[Row], default_pool: str, capacity: dict[str, int]
             [(0 if b is None else len(b)) if h == HELD_ABSENT else h for h, b in zip(columns["blocks_held"], listed, strict=False)],
             dtype=np.int64,
         )
+    return _within_capacity(ids, list(columns["state"]), pools, list(columns["tenant"]), bounds, block_ids, arrays, names, capacity)
+
+
+def int64le_array(text: str, n: int) -> np.ndarray | None:
+    """``n`` little-endian signed 64-bit integers from base64 ``text``; None when ``text``
+    is not base64 or holds another number of bytes."""
+    try:
+        raw = binascii.a2b_base64(text, strict_mode=True)  # checked in C (b64decode's validate runs a regex)
+    except (binascii.Error, ValueError):
+        return None
+    if len(raw) != 8 * n:
+        return None
+    return np.frombuffer(raw, dtype="<i8").astype(np.int64, copy=False)
+
+
+def _text(value: Any, n: int, default: Any) -> list[Any] | None:
+    """A text column as n values: an array as given, one value repeated, None as ``default``."""
+    if isinstance(value, list):
+        return value if len(value) == n else None
+    return [default if value is None else value] * n
+
+
+def _ints(value: Any, n: int, key: str, default: int | list[int]) -> np.ndarray | None:
+    """An integer column as n values: an array (null entries as ``default``, one value or
+    one per request), one value repeated, machine integers, None as ``default``."""
+    if value is None:
+        if isinstance(default, list):
+            return np.array(default, dtype=np.int64)
+        return np.full(n, default, dtype=np.int64)
+    if type(value) is int:
+        return np.full(n, value, dtype=np.int64)
+    if isinstance(value, Int64le):
+        arr = int64le_array(value.int64le, n)
+        if arr is None:
+            return None
+        lo, hi = REQUEST_INT_RANGES[key]
+        if n and (int(arr.min()) < lo or int(arr.max()) > hi):
+            return None
+        return arr
+    if len(value) != n:
+        return None
+    try:
+        return np.fromiter(value, dtype=np.int64, count=n)
+    except TypeError:  # null entries
+        fill = default if isinstance(default, list) else repeat(default)
+        return np.array([d if v is None else v for v, d in zip(value, fill, strict=False)], dtype=np.int64)
+
+
+def table_from_columns(cols: Columns, default_pool: str, capacity: dict[str, int]) -> RequestTable | None:
+    """``request_columns`` as a ``RequestTable`` when every column has one entry per
+    request and the rules across requests hold; None otherwise (the checked path then
+    names the problem)."""
+    ids = cols.id
+    n = len(ids)
+    if n > MAX_REQUESTS or len(set(ids)) != n:
+        return None
+    states = _text(cols.state, n, None)
+    pools = _text(cols.pool, n, default_pool)
+    tenants = _text(cols.tenant, n, None)
+    bounds = _text(cols.output_bound, n, "cap")
+    block_ids = cols.block_ids
+    if states is None or pools is None or tenants is None or bounds is None or (block_ids is not None and len(block_ids) != n):
+        return None
+    names = set(pools)
+    if None in names or "" in names:
+        pools = [p or default_pool for p in pools]
+        names = set(pools)
+    if not names <= capacity.keys():
+        return None
+    if isinstance(cols.output_bound, list) and None in cols.output_bound:
+        bounds = ["cap" if b is None else b for b in bounds]
+    if block_ids is not None and block_ids.count(None) == n:
+        block_ids = None
+    arrays: dict[str, np.ndarray] = {}
+    for key, default in INT_COLUMNS:
+        fallback: int | list[int] = default
+        if key == "blocks_held" and block_ids is not None:  # blocks_held defaults to len(block_ids)
+            fallback = [0 if b is None else len(b) for b in block_ids]
+        arr = _ints(getattr(cols, key), n, key, fallback)
+        if arr is None:
+            return None
+        arrays[key] = arr
+    return _within_capacity(ids, states, pools, tenants, bounds, block_ids, arrays, names, capacity)
+
+
+def _within_capacity(
+    ids: list[str], states: list[Any], pools: list[str], tenants: list[Any], bounds: list[Any],
+    block_ids: list[list[int] | None] | None, arrays: dict[str, np.ndarray], names: set[str], capacity: dict[str, int],
+) -> RequestTable | None:
+    """The table, unless a request holds more blocks than its pool has."""
+    n = len(ids)
     cap: int | np.ndarray
     if len(names) == 1:
         cap = capacity[next(iter(names))]
     else:
         cap = np.fromiter(map(capacity.__getitem__, pools), dtype=np.int64, count=n)
-    if bool((arrays["blocks_held"] > cap).any()):
+    if n and bool((arrays["blocks_held"] > cap).any()):
         return None
     if block_ids is not None:
         lengths = np.fromiter((0 if b is None else len(b) for b in block_ids), dtype=np.int64, count=n)
         if bool((lengths > cap).any()):
             return None
-    states, tenants = list(columns["state"]), list(columns["tenant"])
-    return RequestTable(ids, states, pools, tenants, bounds, {}, block_ids, arrays)  # type: ignore[arg-type]
+    return RequestTable(ids, states, pools, tenants, bounds, {}, block_ids, arrays)

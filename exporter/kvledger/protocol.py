@@ -43,7 +43,7 @@ import numpy as np
 import orjson
 
 from kvledger.blockrefs import BlockRefArray
-from kvledger.document_decoder import TypedRows, table_from_rows
+from kvledger.document_decoder import TypedColumns, TypedRows, int64le_array, table_from_columns, table_from_rows
 from kvledger.document_decoder import decode as decode_typed
 from kvledger.facts import (
     ADMISSIONS,
@@ -469,13 +469,14 @@ def _binary_int_column(value: Mapping[str, Any], path: str, n: int) -> np.ndarra
     text = value.get(BINARY_INT_KEY)
     if not isinstance(text, str) or set(value) != {BINARY_INT_KEY}:
         raise ProtocolError(path, f'expected array, one value, or {{"{BINARY_INT_KEY}": base64}}, got {_show(value)}')
+    arr = int64le_array(text, n)
+    if arr is not None:
+        return arr
     try:
-        raw = binascii.a2b_base64(text, strict_mode=True)  # checked in C (b64decode's validate runs a regex)
+        raw = binascii.a2b_base64(text, strict_mode=True)
     except (binascii.Error, ValueError):
         raise ProtocolError(f"{path}.{BINARY_INT_KEY}", "is not base64") from None
-    if len(raw) != 8 * n:
-        raise ProtocolError(f"{path}.{BINARY_INT_KEY}", f"holds {len(raw)} bytes, not 8 for each of {n} requests")
-    return np.frombuffer(raw, dtype="<i8").astype(np.int64, copy=False)
+    raise ProtocolError(f"{path}.{BINARY_INT_KEY}", f"holds {len(raw)} bytes, not 8 for each of {n} requests")
 
 
 def _table_fast(
@@ -720,7 +721,13 @@ def facts_from_document(doc: object, engine_name: str, *, default_kind: str = "l
     if "request_columns" in d:
         if "requests" in d:
             raise ProtocolError("request_columns", "a document carries requests or request_columns, not both")
-        requests = _request_columns(d["request_columns"], default_pool, capacity)
+        if isinstance(d["request_columns"], TypedColumns):  # decoded by type (facts_from_json's fast path)
+            typed = table_from_columns(d["request_columns"].columns, default_pool, capacity)
+            if typed is None:
+                raise _ReadChecked
+            requests = typed
+        else:
+            requests = _request_columns(d["request_columns"], default_pool, capacity)
     else:
         if "requests" not in d:
             raise ProtocolError("requests", "is required")
