@@ -701,32 +701,33 @@ def tenant_accounts(
     names = [t.name for t in engine.tenants]
     if not names:
         return []
-    out = [TenantAccount(engine.name, t.name, t.quota_bytes) for t in engine.tenants]
     if engine.requests is None:
-        return out
+        return [TenantAccount(engine.name, t.name, t.quota_bytes) for t in engine.tenants]
     index: dict[str | None, int] = {name: i for i, name in enumerate(names)}
     k = len(names)
     blocks = np.zeros(k, dtype=np.int64)
     byte_sums: list[int | None] = [0] * k
-    counts = {state: np.zeros(k, dtype=np.int64) for state in ("running", "waiting", "preempted")}
+    counts = np.zeros((3, k), dtype=np.int64)  # running, waiting, preempted
     for pool_id, cols in columns.items():
         lookup_tenant: Callable[[str | None, int], int] = index.get
         tenant = np.fromiter(map(lookup_tenant, cols.tenants, repeat(-1)), dtype=np.int64, count=len(cols.tenants))
         named = tenant >= 0
-        for state, mask in (("running", cols.running), ("waiting", cols.waiting), ("preempted", cols.preempted)):
-            counts[state] += np.bincount(tenant[named & mask], minlength=k)
+        for row, mask in enumerate((cols.running, cols.waiting, cols.preempted)):
+            counts[row] += np.bincount(tenant[named & mask], minlength=k)
         adm = named & cols.admitted
         pool_blocks = np.bincount(tenant[adm], weights=cols.claimed[adm], minlength=k).astype(np.int64)
         blocks += pool_blocks
         block_bytes = pools[pool_id].block_bytes
-        for t in map(int, np.nonzero(pool_blocks)[0]):
+        nonzero = np.flatnonzero(pool_blocks)
+        for t, held in zip(nonzero.tolist(), pool_blocks[nonzero].tolist(), strict=True):
             current = byte_sums[t]
-            byte_sums[t] = None if current is None or block_bytes is None else current + int(pool_blocks[t]) * block_bytes
-    for i, acc in enumerate(out):
-        acc.reserved_blocks = int(blocks[i])
-        acc.reserved_bytes = byte_sums[i]
-        acc.requests = {state: int(c[i]) for state, c in counts.items()}
-    return out
+            byte_sums[t] = None if current is None or block_bytes is None else current + held * block_bytes
+    running, waiting, preempted = counts.tolist()
+    return [
+        TenantAccount(engine.name, t.name, t.quota_bytes, reserved, byte_sums[i],
+                      {"running": running[i], "waiting": waiting[i], "preempted": preempted[i]})
+        for i, (t, reserved) in enumerate(zip(engine.tenants, blocks.tolist(), strict=True))
+    ]
 
 
 def engine_account(engine: EngineFacts, sharing: str) -> EngineAccount:
