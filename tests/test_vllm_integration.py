@@ -497,6 +497,41 @@ def test_a_pause_publishes_the_tokens_of_the_last_step(fake: ModuleType, sock_di
         assert as_recount(facts) == fake.recount(scheduler)
 
 
+def test_a_step_that_does_not_publish_leaves_its_requests_to_read_once(fake: ModuleType, sock_dir: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """update_from_output adds the step's requests again only when something was published
+    since the step was scheduled; otherwise they are still to be read, and the pause that
+    publishes next shows every token of the last steps."""
+    import kvledger.integration.vllm.engine_ledger as engine_ledger_module
+
+    with ledger_engine(fake, str(sock_dir / "l.sock")) as scheduler:
+        ledger = scheduler._kvledger
+        clock = FakeClock(ledger)
+        work = fake.Workload(scheduler, seed=5)
+        request = work.add(prompt_tokens=40, max_tokens=50)
+        clock.now += 1
+        work.step(stop_probability=0.0)  # publishes
+        calls: list[int] = []
+        real = engine_ledger_module.step_facts
+        monkeypatch.setattr(engine_ledger_module, "step_facts", lambda out: calls.append(1) or real(out))
+        publications = ledger.publications
+        for _ in range(3):  # the clock stands still: no step publishes
+            work.step(stop_probability=0.0)
+        assert ledger.publications == publications
+        assert len(calls) == 3  # once per step, in schedule: none in update_from_output
+        assert request.request_id in ledger.reqs.touched
+        clock.now += 1
+        pending = scheduler.schedule()  # this step publishes: its update must add them again
+        scheduler.update_from_output(pending, {})
+        assert ledger.publications == publications + 1 and len(calls) == 5
+        assert request.request_id in ledger.reqs.touched
+        work.pause(True)
+        _, facts = served(scheduler)
+        (row,) = facts.requests
+        assert (row.generated_tokens, row.computed_tokens) == (request.num_output_tokens, 40 + request.num_output_tokens - 1)
+        assert as_recount(facts) == fake.recount(scheduler)
+
+
 def test_a_request_finished_by_the_model_is_gone_when_an_abort_publishes(fake: ModuleType, sock_dir: Path) -> None:
     """Regression: a request that stops in update_from_output is reported finished only by
     the next step; an abort that makes the engine idle before that publishes at once."""
@@ -658,7 +693,8 @@ def test_a_failing_hook_turns_the_ledger_off_and_vllm_continues(fake: ModuleType
         work.step()
         assert ledger.on and connectable(path)
         if operation == "update":
-            pending = scheduler.schedule()  # the step's publication succeeds; the model's output then fails
+            clock.now += 1  # the step publishes; the model's output then fails
+            pending = scheduler.schedule()
         if target == "step_facts":
             import kvledger.integration.vllm.engine_ledger as engine_ledger_module
 

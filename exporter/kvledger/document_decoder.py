@@ -62,16 +62,16 @@ class Row(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 
     id: Annotated[str, msgspec.Meta(min_length=1)]
     state: RequestState
-    prompt_tokens: _Prompt  # type: ignore[valid-type]
-    max_output_tokens: _Output  # type: ignore[valid-type]
+    prompt_tokens: _Prompt  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
+    max_output_tokens: _Output  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
     pool: str | None = None
     tenant: str | None = None
     output_bound: OutputBound | None = None
-    generated_tokens: _Generated = 0  # type: ignore[valid-type]
-    computed_tokens: _Computed = 0  # type: ignore[valid-type]
-    contexts: _Contexts = 1  # type: ignore[valid-type]
-    speculative_slots: _Speculative = 0  # type: ignore[valid-type]
-    blocks_held: _Held = HELD_ABSENT  # type: ignore[valid-type]
+    generated_tokens: _Generated = 0  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
+    computed_tokens: _Computed = 0  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
+    contexts: _Contexts = 1  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
+    speculative_slots: _Speculative = 0  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
+    blocks_held: _Held = HELD_ABSENT  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
     block_ids: list[_BlockId] | None = None
 
 
@@ -96,17 +96,17 @@ class Columns(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     schema does not list, send the document to the checked path."""
 
     id: list[Annotated[str, msgspec.Meta(min_length=1)]]
-    state: _column(RequestState)  # type: ignore[valid-type]
-    prompt_tokens: _int_column(_Prompt)  # type: ignore[valid-type]
-    max_output_tokens: _int_column(_Output)  # type: ignore[valid-type]
+    state: _column(RequestState)  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
+    prompt_tokens: _int_column(_Prompt)  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
+    max_output_tokens: _int_column(_Output)  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
     pool: list[str | None] | str | None = None
     tenant: list[str | None] | str | None = None
     output_bound: list[OutputBound | None] | OutputBound | None = None
-    generated_tokens: _int_column(_Generated) | None = None  # type: ignore[valid-type]
-    computed_tokens: _int_column(_Computed) | None = None  # type: ignore[valid-type]
-    contexts: _int_column(_Contexts) | None = None  # type: ignore[valid-type]
-    speculative_slots: _int_column(_Speculative) | None = None  # type: ignore[valid-type]
-    blocks_held: _int_column(_Held) | None = None  # type: ignore[valid-type]
+    generated_tokens: _int_column(_Generated) | None = None  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
+    computed_tokens: _int_column(_Computed) | None = None  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
+    contexts: _int_column(_Contexts) | None = None  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
+    speculative_slots: _int_column(_Speculative) | None = None  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
+    blocks_held: _int_column(_Held) | None = None  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
     block_ids: list[list[_BlockId] | None] | None = None
 
 

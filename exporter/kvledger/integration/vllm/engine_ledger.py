@@ -40,6 +40,9 @@ class EngineLedger:
         self.publications = 0
         self.publish_seconds = 0.0
         self._render_seen = 0.0
+        # the last SchedulerOutput whose requests are still in reqs.touched (no publication
+        # since it was scheduled): its update_from_output need not add them again
+        self._unpublished: Any = None
         self.document = LedgerDocument(
             engine={"kind": "vllm", "version": version},
             pool=static,
@@ -80,6 +83,7 @@ class EngineLedger:
             if preempted:
                 touched.update(preempted)
             self.iteration_tokens = tokens
+            self._unpublished = output
             if self.throttle.due(idle=self.view.is_idle()):
                 self.publish()
         except Exception as exc:
@@ -88,8 +92,13 @@ class EngineLedger:
     def after_update(self, output: Any) -> None:
         """vLLM's update_from_output changed the rows of the step's requests (a token
         generated, a request finished) after the publication of that step: read them again
-        at the next one, or a pause or an abort would publish them a step behind."""
+        at the next one, or a pause or an abort would publish them a step behind. When
+        nothing was published since the step was scheduled (most steps: the throttle), they
+        are still to be read, and adding them again would only cost the engine thread."""
         if not self.on:
+            return
+        if output is self._unpublished:  # nothing published since: its requests are still to be read
+            self._unpublished = None
             return
         try:
             self.reqs.touched.update(step_facts(output)[0])
@@ -132,6 +141,7 @@ class EngineLedger:
 
     # ---------------------------------------------------------------- publication
     def publish(self) -> None:
+        self._unpublished = None  # every request touched so far is read now
         started = self.throttle.clock()
         began = time.perf_counter()
         view, pool = self.view, self.pool

@@ -30,6 +30,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from kvledger.sources.vllm.events_wire import GPU_MEDIA, KNOWN_TYPES, EventBatch, EventDecodeError, decode_batch
 
@@ -226,20 +227,21 @@ class KvEventState:
             if ev.medium not in GPU_MEDIA:
                 continue
             if ev.type == "BlockStored":
-                for h in ev.hashes:
-                    st.blocks[(ev.group, h)] += 1
+                st.blocks.update(zip(repeat(ev.group), ev.hashes))  # counted in C
                 if len(st.blocks) > MAX_TRACKED_BLOCKS:
                     self.overflows += 1
                     st.blocks.clear()
                     st.first_ts = None
                     self._distrust(st, f"more than {MAX_TRACKED_BLOCKS} distinct cached blocks: count dropped")
             elif ev.type == "BlockRemoved":
-                for h in ev.hashes:
-                    key = (ev.group, h)
-                    if st.blocks[key] > 1:
-                        st.blocks[key] -= 1
+                blocks = st.blocks
+                get = blocks.get
+                for key in zip(repeat(ev.group), ev.hashes):
+                    times = get(key, 0)
+                    if times > 1:
+                        blocks[key] = times - 1
                     else:
-                        st.blocks.pop(key, None)
+                        blocks.pop(key, None)
             elif ev.type == "AllBlocksCleared":
                 st.blocks.clear()
                 st.first_ts = batch.ts

@@ -72,6 +72,9 @@ def _hash_list(raw: Any, what: str) -> tuple[Hashable, ...]:
         return ()
     if not isinstance(raw, list):
         raise EventDecodeError(f"{what}: block_hashes is {type(raw).__name__}, expected an array")
+    kinds = set(map(type, raw))
+    if kinds == {int} or kinds == {bytes}:  # the usual batch, checked at C speed
+        return tuple(raw)
     return tuple(_hashable(h) for h in raw)
 
 
