@@ -10,7 +10,7 @@ second). A reader polls the ledger's socket once a second of engine time, as the
 asking for the columnar form (or the row form, ``--form rows``).
 
 Reported, per step (thread CPU, medians over the run): the hooks' own work
-(``after_schedule`` and ``after_update`` without a publication due), a publication (what changed read into the
+(``after_schedule`` without a publication due), a publication (what changed read into the
 document), the renders a reader causes (the document thread: it holds the interpreter too),
 and the total per step as a share of a step of ``--step-ms`` (the integration's throttle
 keeps publication and render below 1 % of the engine thread by construction: the publish
@@ -124,6 +124,9 @@ class FakeView:
     def is_idle(self) -> bool:
         return not self.requests
 
+    def running_ids(self) -> list[str]:
+        return list(self.requests)
+
     def read_request(self, rid: str) -> RequestRow | None:
         req = self.requests.get(rid)
         if req is None:
@@ -165,7 +168,6 @@ def run(requests: int, steps: int, form: str, step_ms: float) -> dict[str, float
             publications = ledger.publications
             t = time.thread_time()
             ledger.after_schedule(output)
-            ledger.after_update(output)
             cost = time.thread_time() - t
             (publishes if ledger.publications != publications else hooks).append(cost)
             if int((i + 1) / steps_per_second) != int(i / steps_per_second):  # the daemon's poll, once a second

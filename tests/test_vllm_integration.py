@@ -497,39 +497,29 @@ def test_a_pause_publishes_the_tokens_of_the_last_step(fake: ModuleType, sock_di
         assert as_recount(facts) == fake.recount(scheduler)
 
 
-def test_a_step_that_does_not_publish_leaves_its_requests_to_read_once(fake: ModuleType, sock_dir: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """update_from_output adds the step's requests again only when something was published
-    since the step was scheduled; otherwise they are still to be read, and the pause that
-    publishes next shows every token of the last steps."""
-    import kvledger.integration.vllm.engine_ledger as engine_ledger_module
-
+def test_a_step_notes_only_what_left_the_running_list(fake: ModuleType, sock_dir: Path) -> None:
+    """A step costs the engine thread what finished or was preempted, not what it scheduled:
+    a publication reads every running request and every request it last showed running."""
     with ledger_engine(fake, str(sock_dir / "l.sock")) as scheduler:
         ledger = scheduler._kvledger
         clock = FakeClock(ledger)
         work = fake.Workload(scheduler, seed=5)
-        request = work.add(prompt_tokens=40, max_tokens=50)
+        requests = [work.add(prompt_tokens=40, max_tokens=50) for _ in range(3)]
         clock.now += 1
-        work.step(stop_probability=0.0)  # publishes
-        calls: list[int] = []
-        real = engine_ledger_module.step_facts
-        monkeypatch.setattr(engine_ledger_module, "step_facts", lambda out: calls.append(1) or real(out))
+        work.step(stop_probability=0.0)  # publishes: all three running
+        assert ledger.published_running == {r.request_id for r in requests}
         publications = ledger.publications
         for _ in range(3):  # the clock stands still: no step publishes
             work.step(stop_probability=0.0)
-        assert ledger.publications == publications
-        assert len(calls) == 3  # once per step, in schedule: none in update_from_output
-        assert request.request_id in ledger.reqs.touched
-        clock.now += 1
-        pending = scheduler.schedule()  # this step publishes: its update must add them again
-        scheduler.update_from_output(pending, {})
-        assert ledger.publications == publications + 1 and len(calls) == 5
-        assert request.request_id in ledger.reqs.touched
-        work.pause(True)
+        assert ledger.publications == publications and ledger.reqs.touched == set()
+        scheduler.finish_requests(requests[0].request_id, fake.RequestStatus.FINISHED_ABORTED)
+        assert ledger.reqs.touched == {requests[0].request_id}
+        work.pause(True)  # publishes: the tokens of every step since, the abort gone
         _, facts = served(scheduler)
-        (row,) = facts.requests
-        assert (row.generated_tokens, row.computed_tokens) == (request.num_output_tokens, 40 + request.num_output_tokens - 1)
+        assert sorted((r.id, r.generated_tokens) for r in facts.requests) == sorted(
+            (r.request_id, r.num_output_tokens) for r in requests[1:])
         assert as_recount(facts) == fake.recount(scheduler)
+        assert ledger.published_running == {r.request_id for r in requests[1:]}
 
 
 def test_a_request_finished_by_the_model_is_gone_when_an_abort_publishes(fake: ModuleType, sock_dir: Path) -> None:
@@ -674,7 +664,6 @@ FAILURES = {
     "step facts": ("step_facts", "step", "after a scheduling step"),
     "pause": ("view.read_request", "pause", "after a pause or resume"),
     "abort when idle": ("view.is_idle", "abort", "after finishing requests"),
-    "model output": ("step_facts", "update", "after a model step"),
 }
 
 

@@ -40,9 +40,9 @@ class EngineLedger:
         self.publications = 0
         self.publish_seconds = 0.0
         self._render_seen = 0.0
-        # the last SchedulerOutput whose requests are still in reqs.touched (no publication
-        # since it was scheduled): its update_from_output need not add them again
-        self._unpublished: Any = None
+        # requests the document shows running: a publication reads them again (finished by
+        # the model, preempted, or still running, their rows have changed)
+        self.published_running: set[str] = set()
         self.document = LedgerDocument(
             engine={"kind": "vllm", "version": version},
             pool=static,
@@ -76,34 +76,18 @@ class EngineLedger:
         if not self.on:
             return
         try:
-            scheduled, finished, preempted, tokens = step_facts(output)
+            # the step's scheduled requests are running: a publication reads every running
+            # request anyway, so a step only notes what left the running list
+            _, finished, preempted, tokens = step_facts(output)
             touched = self.reqs.touched
-            touched.update(scheduled)
             touched.update(finished)
             if preempted:
                 touched.update(preempted)
             self.iteration_tokens = tokens
-            self._unpublished = output
             if self.throttle.due(idle=self.view.is_idle()):
                 self.publish()
         except Exception as exc:
             self.fail("after a scheduling step", exc)
-
-    def after_update(self, output: Any) -> None:
-        """vLLM's update_from_output changed the rows of the step's requests (a token
-        generated, a request finished) after the publication of that step: read them again
-        at the next one, or a pause or an abort would publish them a step behind. When
-        nothing was published since the step was scheduled (most steps: the throttle), they
-        are still to be read, and adding them again would only cost the engine thread."""
-        if not self.on:
-            return
-        if output is self._unpublished:  # nothing published since: its requests are still to be read
-            self._unpublished = None
-            return
-        try:
-            self.reqs.touched.update(step_facts(output)[0])
-        except Exception as exc:
-            self.fail("after a model step", exc)
 
     def after_add(self, request_id: str) -> None:
         if self.on:
@@ -141,7 +125,6 @@ class EngineLedger:
 
     # ---------------------------------------------------------------- publication
     def publish(self) -> None:
-        self._unpublished = None  # every request touched so far is read now
         started = self.throttle.clock()
         began = time.perf_counter()
         view, pool = self.view, self.pool
@@ -159,15 +142,28 @@ class EngineLedger:
         rows: dict[str, RequestRow] = {}
         gone: set[str] = set()
         known = self.known
-        for rid in self.reqs.take():
+        # what may have changed: every request running now (each step moves it), every
+        # request last shown running (finished by the model, preempted), and what the hooks
+        # noted (added, finished, preempted, aborted)
+        touched = self.reqs.take()
+        running = set(view.running_ids())
+        published_running = self.published_running
+        touched |= running
+        touched |= published_running - running
+        for rid in touched:
             row = view.read_request(rid)
             if row is None:
+                published_running.discard(rid)
                 if rid in known:
                     known.discard(rid)
                     gone.add(rid)
             else:
                 rows[rid] = row
                 known.add(rid)
+                if row.state == "running":
+                    published_running.add(rid)
+                else:
+                    published_running.discard(rid)
         self.publications += 1
         render = self.document.render_seconds
         cost = time.perf_counter() - began

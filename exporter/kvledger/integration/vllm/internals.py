@@ -263,6 +263,10 @@ class EngineView:
     def is_idle(self) -> bool:
         return not self.scheduler.running
 
+    def running_ids(self) -> list[str]:
+        """The ids of the scheduler's running requests."""
+        return [r.request_id for r in self.scheduler.running]
+
     def read_request(self, rid: str) -> RequestRow | None:
         """The row of request ``rid``, or None when the engine no longer has it."""
         request = self.requests.get(rid)

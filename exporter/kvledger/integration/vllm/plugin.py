@@ -74,14 +74,6 @@ class LedgerHooks:
             ledger.after_schedule(output)
         return output
 
-    def update_from_output(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        # the model's output changes the step's requests (tokens generated, requests finished)
-        result = super().update_from_output(scheduler_output, *args, **kwargs)  # type: ignore[misc]  # the scheduler class this mixin is put before
-        ledger = self._kvledger
-        if ledger is not None:
-            ledger.after_update(scheduler_output)
-        return result
-
     def add_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         result = super().add_request(request, *args, **kwargs)  # type: ignore[misc]  # the scheduler class this mixin is put before
         ledger = self._kvledger
