@@ -86,11 +86,13 @@ class _Watchdog:
         with self._cond:
             token = next(self._ids)
             self._armed[token] = sock
+            earliest = not self._heap or deadline < self._heap[0][0]
             heapq.heappush(self._heap, (deadline, token))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kvledger-http-deadlines", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if earliest:  # otherwise the thread wakes for an earlier deadline first, and then sees this one
+                self._cond.notify()
             return token
 
     def disarm(self, token: int) -> bool:
