@@ -54,18 +54,20 @@ _BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_SAFE_INT)]
 HELD_ABSENT = -1
 
 
-class Row(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+class Row(msgspec.Struct, forbid_unknown_fields=True, gc=False, kw_only=True):
     """One ``requests[]`` entry as the schema defines it, absent fields at their defaults
     (``blocks_held`` at ``HELD_ABSENT``: it defaults to ``len(block_ids)``). A null integer
     (the checked path reads null as absent) or a field the schema does not list sends the
-    document to the checked path, which accepts both as the schema allows."""
+    document to the checked path, which accepts both as the schema allows. The fields are
+    in the order the writers (the vLLM integration, the reference ledger) put the keys:
+    msgspec matches keys in the expected order first."""
 
     id: Annotated[str, msgspec.Meta(min_length=1)]
+    pool: str | None = None
     state: RequestState
+    tenant: str | None = None
     prompt_tokens: _Prompt  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
     max_output_tokens: _Output  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
-    pool: str | None = None
-    tenant: str | None = None
     output_bound: OutputBound | None = None
     generated_tokens: _Generated = 0  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
     computed_tokens: _Computed = 0  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
