@@ -180,6 +180,18 @@ def decode(body: bytes | str) -> dict[str, Any] | None:
 _FIELDS = Row.__struct_fields__
 
 
+def _known_pools(pools: list[Any], default_pool: str, capacity: dict[str, int]) -> tuple[list[str], set[str]] | None:
+    """Each request's pool (absent or empty: the first pool) and the set of them; None when
+    one is not a pool of the document."""
+    names = set(pools)
+    if None in names or "" in names:
+        pools = [p or default_pool for p in pools]
+        names = set(pools)
+    if not names <= capacity.keys():
+        return None
+    return pools, names
+
+
 def table_from_rows(rows: list[Row], default_pool: str, capacity: dict[str, int]) -> RequestTable | None:
     """The rows as a ``RequestTable`` when they keep the rules across requests (unique
     ids, known pools, no request holding more blocks than its pool); None otherwise."""
@@ -191,13 +203,10 @@ def table_from_rows(rows: list[Row], default_pool: str, capacity: dict[str, int]
     ids: list[str] = list(columns["id"])
     if len(set(ids)) != n:
         return None
-    pools: list[str] = list(columns["pool"])
-    names = set(pools)
-    if None in names or "" in names:
-        pools = [p or default_pool for p in pools]
-        names = set(pools)
-    if not names <= capacity.keys():
+    known = _known_pools(list(columns["pool"]), default_pool, capacity)
+    if known is None:
         return None
+    pools, names = known
     bounds: list[str | None] = list(columns["output_bound"])
     if None in bounds:
         bounds = ["cap" if b is None else b for b in bounds]
@@ -276,12 +285,10 @@ def table_from_columns(cols: Columns, default_pool: str, capacity: dict[str, int
     block_ids = cols.block_ids
     if states is None or pools is None or tenants is None or bounds is None or (block_ids is not None and len(block_ids) != n):
         return None
-    names = set(pools)
-    if None in names or "" in names:
-        pools = [p or default_pool for p in pools]
-        names = set(pools)
-    if not names <= capacity.keys():
+    known = _known_pools(pools, default_pool, capacity)
+    if known is None:
         return None
+    pools, names = known
     if isinstance(cols.output_bound, list) and None in cols.output_bound:
         bounds = ["cap" if b is None else b for b in bounds]
     if block_ids is not None and block_ids.count(None) == n:

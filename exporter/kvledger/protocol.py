@@ -684,6 +684,20 @@ class _ReadChecked(Exception):
     """Typed rows that break a rule across requests: the body is read the checked way."""
 
 
+def _typed_table(value: object, default_pool: str, capacity: dict[str, int]) -> RequestTable | None:
+    """The requests decoded by type (facts_from_json's fast path) as a table; None when
+    ``value`` was decoded as plain JSON; ``_ReadChecked`` when they break a rule."""
+    if isinstance(value, TypedRows):
+        table = table_from_rows(value.rows, default_pool, capacity)
+    elif isinstance(value, TypedColumns):
+        table = table_from_columns(value.columns, default_pool, capacity)
+    else:
+        return None
+    if table is None:
+        raise _ReadChecked
+    return table
+
+
 def _requests_row_form(value: object, default_pool: str, capacity: dict[str, int]) -> RequestTable:
     raw_requests = _arr(value, "requests")
     if len(raw_requests) > MAX_REQUESTS:
@@ -721,23 +735,13 @@ def facts_from_document(doc: object, engine_name: str, *, default_kind: str = "l
     if "request_columns" in d:
         if "requests" in d:
             raise ProtocolError("request_columns", "a document carries requests or request_columns, not both")
-        if isinstance(d["request_columns"], TypedColumns):  # decoded by type (facts_from_json's fast path)
-            typed = table_from_columns(d["request_columns"].columns, default_pool, capacity)
-            if typed is None:
-                raise _ReadChecked
-            requests = typed
-        else:
-            requests = _request_columns(d["request_columns"], default_pool, capacity)
+        typed = _typed_table(d["request_columns"], default_pool, capacity)
+        requests = typed if typed is not None else _request_columns(d["request_columns"], default_pool, capacity)
     else:
         if "requests" not in d:
             raise ProtocolError("requests", "is required")
-        if isinstance(d["requests"], TypedRows):  # decoded by type (facts_from_json's fast path)
-            typed = table_from_rows(d["requests"].rows, default_pool, capacity)
-            if typed is None:
-                raise _ReadChecked
-            requests = typed
-        else:
-            requests = _requests_row_form(d["requests"], default_pool, capacity)
+        typed = _typed_table(d["requests"], default_pool, capacity)
+        requests = typed if typed is not None else _requests_row_form(d["requests"], default_pool, capacity)
 
     kind, version = default_kind, None
     if (engine := d.get("engine")) is not None:
