@@ -303,3 +303,18 @@ def test_columnar_fallbacks_and_edges(key: str, value: Any, fast: bool, accepted
     body = orjson.dumps(doc)
     assert taken_fast(body) is fast
     assert isinstance(assert_same(body), EngineFacts) is accepted
+
+
+@pytest.mark.parametrize("text", [
+    # a key given twice: JSON leaves it open; orjson keeps the last, and so must the fast path
+    b'{"schema": "kvledger/v1", "pools": [{"id": "0", "block_size": 16, "block_bytes": 1, "num_blocks": 9}], '
+    b'"requests": [{"id": "a", "state": "running", "prompt_tokens": 1, "max_output_tokens": 1}], '
+    b'"requests": [{"id": "b", "state": "waiting", "prompt_tokens": 2, "max_output_tokens": 2}]}',
+    b'{"schema": "kvledger/v1", "pools": [{"id": "0", "block_size": 16, "block_bytes": 1, "num_blocks": 9}], '
+    b'"requests": [{"id": "b", "state": "waiting", "prompt_tokens": 2, "max_output_tokens": 2, "prompt_tokens": 5}]}',
+    b'{"schema": "kvledger/v1", "pools": [{"id": "0", "block_size": 16, "block_bytes": 1, "num_blocks": 9}], '
+    b'"request_columns": {"id": ["a"], "state": "running", "prompt_tokens": 1, "max_output_tokens": [3], "prompt_tokens": [7]}}',
+])
+def test_a_key_given_twice_reads_as_the_checked_path_reads_it(text: bytes) -> None:
+    assert taken_fast(text)
+    assert isinstance(assert_same(text), EngineFacts)
