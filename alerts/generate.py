@@ -11,7 +11,7 @@ file is generated, committed, and never edited by hand:
 
 The recording rules, the join keys (the target labels) and the daemon selector are not
 defined here: they come from monitoring/config.py, which the dashboards read too.
-Expressions name only catalogue metrics (exporter/kvledger/catalog.py) and those
+Expressions name only catalogue metrics (exporter/kvledger/output/catalog.py) and those
 recording rules; tests/test_alert_rules.py lints that.
 """
 

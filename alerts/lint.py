@@ -8,7 +8,7 @@ Checks, per rule:
   heading of docs/runbooks.md;
 - recording rules: ``level:metric:operations`` names (two colons);
 - every expression parses (promql_parser) and names only metrics of the catalogue
-  (kvledger.catalog.BY_NAME), recording rules of the same files, or Prometheus'
+  (kvledger.output.catalog.BY_NAME), recording rules of the same files, or Prometheus'
   own ``up``;
 - no counter of the catalogue is read except as the range argument of
   rate/increase/irate/resets/changes.
@@ -147,7 +147,7 @@ def lint_rules(doc: dict[str, Any], catalog: dict[str, Any], runbook_anchors: se
 
 
 def lint_files(paths: Iterable[Path], runbooks: Path = RUNBOOKS) -> list[Problem]:
-    from kvledger.catalog import BY_NAME
+    from kvledger.output.catalog import BY_NAME
 
     anchors = heading_anchors(runbooks.read_text()) if runbooks.exists() else set()
     problems: list[Problem] = []

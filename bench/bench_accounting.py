@@ -17,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from workload import engine_facts
 
-from kvledger.blockrefs import BlockRefArray
-from kvledger.facts import Snapshot
-from kvledger.policy import compute_accounts
+from kvledger.model.block_refs import BlockRefArray
+from kvledger.model.facts import Snapshot
+from kvledger.policy.engine_accounts import compute_accounts
 
 BUDGET_MS = 50.0
 

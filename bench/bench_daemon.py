@@ -44,7 +44,7 @@ TICKS = 60
 
 FLOOR = textwrap.dedent("""
     import sys, time, orjson
-    from kvledger.sources.http_client import HttpClient
+    from kvledger.collect.sources.http_client import HttpClient
     accept = sys.argv[1]
     clients = [HttpClient(u, timeout=5.0, max_bytes=64 << 20, accept=accept) for u in sys.argv[2:]]
     next_at = time.monotonic()

@@ -14,7 +14,7 @@ import time
 
 import msgpack
 
-from kvledger.sources.vllm.events_state import KvEventState
+from kvledger.collect.sources.vllm.events_state import KvEventState
 
 BUDGET = 500_000
 

@@ -34,10 +34,10 @@ import orjson
 sys.path.insert(0, str(Path(__file__).parent))
 from realistic_load import Load, dumps
 
-from kvledger.config import EngineConfig
+from kvledger.collect.sources.document import LedgerSource, parse_document
+from kvledger.config.model import EngineConfig
 from kvledger.integration.document_server import LedgerServer
-from kvledger.policy import engine_account
-from kvledger.sources.ledger import LedgerSource, parse_document
+from kvledger.policy.engine_accounts import engine_account
 
 BUDGET_MS = 20.0  # 2 % of a core, every second
 

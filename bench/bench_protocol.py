@@ -11,7 +11,7 @@ import json
 import statistics
 import time
 
-from kvledger.protocol import facts_from_document
+from kvledger.protocol.reader import facts_from_document
 
 
 def build(requests: int = 10_000, blocks: int = 1_000_000) -> dict:

@@ -25,9 +25,9 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 from workload import scrape_snapshot
 
-from kvledger.endpoints import MetricsBody
-from kvledger.policy import compute_accounts
-from kvledger.prometheus_output import AccountsCollector, render_text
+from kvledger.output.prometheus import AccountsCollector, render_text
+from kvledger.policy.engine_accounts import compute_accounts
+from kvledger.web.endpoints import MetricsBody
 
 BUDGET_MS = 10.0
 

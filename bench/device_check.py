@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pynvml
 
-from kvledger.config import parse_size
-from kvledger.sources.base import SourceError
-from kvledger.sources.nvml import NvmlSource
+from kvledger.collect.sources.base import SourceError
+from kvledger.collect.sources.nvml import NvmlSource
+from kvledger.config.loader import parse_size
 
 MIB = 1 << 20
 

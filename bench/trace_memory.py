@@ -20,8 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exporter"))
 
 from kvledger.cli import _collector
-from kvledger.config import Config, NvmlConfig
-from kvledger.prometheus_output import render_text
+from kvledger.config.model import Config, NvmlConfig
+from kvledger.output.prometheus import render_text
 from kvledger.sim.demo import start_demo
 
 

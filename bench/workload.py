@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from kvledger.facts import (
+from kvledger.model.facts import (
     BlockRef,
     Budgets,
     EngineFacts,

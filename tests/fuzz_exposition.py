@@ -15,8 +15,8 @@ from hypothesis import event as _hypothesis_event
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
-from kvledger.facts import EngineFacts
-from kvledger.sources.base import SourceError
+from kvledger.collect.sources.base import SourceError
+from kvledger.model.facts import EngineFacts
 
 VALUES = ("nan", "NaN", "+Inf", "-Inf", "-1", "-0.5", "0", "1", "1.5", "2.5", "16", "1e308", "-1e308",
           "9007199254740993", "1e20", "9" * 400, "0x10", "", "abc", "4294967297", "1073741825")

@@ -23,12 +23,13 @@ from typing import Any
 from hypothesis import HealthCheck, settings
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvledger.blockrefs import BlockRefArray
-from kvledger.facts import EngineFacts, GpuFacts, PoolFacts, RequestFacts, Snapshot, SourceHealth
-from kvledger.limits import MAX_SAFE_INT
-from kvledger.policy import Accounts, compute_accounts
-from kvledger.prometheus_output import render_text
-from kvledger.requesttable import RequestTable
+from kvledger.model.accounts import Accounts
+from kvledger.model.block_refs import BlockRefArray
+from kvledger.model.facts import EngineFacts, GpuFacts, PoolFacts, RequestFacts, Snapshot, SourceHealth
+from kvledger.model.limits import MAX_SAFE_INT
+from kvledger.model.request_table import RequestTable
+from kvledger.output.prometheus import render_text
+from kvledger.policy.engine_accounts import compute_accounts
 
 FUZZ_EXAMPLES = int(os.environ.get("KVLEDGER_FUZZ_EXAMPLES", "200"))
 

@@ -7,10 +7,10 @@ import threading
 import time
 import urllib.request
 
-from kvledger.collector import Collector
-from kvledger.facts import EngineFacts, PoolFacts
-from kvledger.server import KvledgerHTTPServer
-from kvledger.sources.base import Contribution, EngineContribution, Source, SourceError, SubsourceReport
+from kvledger.collect.collector import Collector
+from kvledger.collect.sources.base import Contribution, EngineContribution, Source, SourceError, SubsourceReport
+from kvledger.model.facts import EngineFacts, PoolFacts
+from kvledger.web.server import KvledgerHTTPServer
 
 
 class Fixed(Source):

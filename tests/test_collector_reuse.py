@@ -5,11 +5,11 @@ accounting and checking it again; anything new accounts it afresh."""
 
 from __future__ import annotations
 
-from kvledger.collector import Collector
-from kvledger.config import EngineConfig
+from kvledger.collect.collector import Collector
+from kvledger.collect.sources.document import LedgerSource
+from kvledger.config.model import EngineConfig
 from kvledger.integration.document_server import serve_http
 from kvledger.integration.reference_ledger import Ledger, PoolSpec
-from kvledger.sources.ledger import LedgerSource
 
 
 def test_unchanged_document_keeps_its_account_and_its_counts() -> None:

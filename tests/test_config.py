@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.config import ConfigError, load_config, parse_duration, parse_size
+from kvledger.config.loader import load_config, parse_duration, parse_size
+from kvledger.config.model import ConfigError
 
 GOOD = """
 listen: "127.0.0.1:9500"
@@ -118,14 +119,14 @@ def _one_engine(tmp_path: Path, body: str) -> Path:
 @pytest.fixture
 def planned_kind(monkeypatch: pytest.MonkeyPatch) -> str:
     """A kind on the roadmap (PLANNED), whatever the release has already accepted."""
-    import kvledger.config
+    import kvledger.config.loader
 
-    monkeypatch.setattr(kvledger.config, "PLANNED", ("futurekind",))
+    monkeypatch.setattr(kvledger.config.loader, "PLANNED", ("futurekind",))
     return "futurekind"
 
 
 def test_unknown_kind_lists_only_kinds_that_work(tmp_path: Path, planned_kind: str) -> None:
-    from kvledger.engine_kinds import KINDS
+    from kvledger.collect.engine_kinds import KINDS
 
     with pytest.raises(ConfigError) as err:
         load_config(_one_engine(tmp_path, "kind: nope"))
@@ -140,7 +141,7 @@ def test_planned_kind_is_refused_with_the_way_forward(tmp_path: Path, planned_ki
 
 @pytest.mark.parametrize("kind", ["sglang", "trtllm", "triton-trtllm", "tgi"])
 def test_accepted_engine_kinds_load_with_kind_and_url_alone(tmp_path: Path, kind: str) -> None:
-    from kvledger.engine_kinds import PLANNED
+    from kvledger.collect.engine_kinds import PLANNED
 
     assert kind not in PLANNED
     assert load_config(_one_engine(tmp_path, f"kind: {kind}")).engines[0].kind == kind

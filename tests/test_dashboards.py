@@ -22,7 +22,7 @@ from dashboards import generate, live  # noqa: E402
 from dashboards.src.compat import iter_panels  # noqa: E402
 from dashboards.src.panels import CONSISTENCY_TOKEN, metrics_in  # noqa: E402
 from dashboards.src.promql import RECORDING_RULES  # noqa: E402
-from kvledger.catalog import BY_NAME  # noqa: E402
+from kvledger.output.catalog import BY_NAME  # noqa: E402
 
 DASHBOARDS = live.load_dashboards()
 QUERIES = [

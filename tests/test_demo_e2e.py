@@ -10,7 +10,7 @@ import pytest
 
 from harness.kvledger_daemon import Daemon, run_demo
 from harness.prometheus import PrometheusServer, start_prometheus
-from kvledger.catalog import CATALOG
+from kvledger.output.catalog import CATALOG
 
 pytestmark = pytest.mark.e2e
 

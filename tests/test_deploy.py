@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from harness.prometheus import DEPLOY_CONFIG, prometheus_config
-from kvledger.config import load_config
+from kvledger.config.loader import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PROM_DIR = ROOT / "deploy" / "prometheus"

@@ -30,8 +30,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvledger.config import config_from_mapping
-from kvledger.engine_kinds import kind_specific_keys
+from kvledger.collect.engine_kinds import kind_specific_keys
+from kvledger.config.loader import config_from_mapping
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "kubernetes"

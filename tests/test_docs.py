@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvledger.catalog import CATALOG
-from kvledger.docgen import main
+from kvledger.output.catalog import CATALOG
+from kvledger.tools.docgen import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

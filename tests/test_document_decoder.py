@@ -22,11 +22,11 @@ from hypothesis import strategies as st
 from test_fuzz_protocol import documents, mutated_documents, raw_texts
 from test_wire_forms import to_columns
 
-from kvledger import document_decoder
-from kvledger.facts import EngineFacts
-from kvledger.limits import MAX_BLOCKS, MAX_REQUESTS, MAX_TOKENS
-from kvledger.protocol import NotJsonError, ProtocolError, _ReadChecked, facts_from_document, facts_from_json
-from kvledger.requesttable import RequestTable
+from kvledger.model.facts import EngineFacts
+from kvledger.model.limits import MAX_BLOCKS, MAX_REQUESTS, MAX_TOKENS
+from kvledger.model.request_table import RequestTable
+from kvledger.protocol import fast_decoder as document_decoder
+from kvledger.protocol.reader import NotJsonError, ProtocolError, _ReadChecked, facts_from_document, facts_from_json
 
 
 def checked(body: bytes) -> EngineFacts | str:

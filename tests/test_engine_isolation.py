@@ -10,13 +10,13 @@ from collections.abc import Callable
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvledger.collector import Collector, check_renderable
-from kvledger.config import LimitsConfig
-from kvledger.facts import Budgets, EngineFacts, GpuFacts, PoolFacts, RequestFacts, Snapshot, TenantQuota
-from kvledger.label_limits import LabelLimitError, limit_labels, shorten
-from kvledger.policy import compute_accounts
-from kvledger.prometheus_output import render_text
-from kvledger.sources.base import Contribution, EngineContribution, GpuContribution, Source
+from kvledger.collect.collector import Collector, check_renderable
+from kvledger.collect.label_limits import LabelLimitError, limit_labels, shorten
+from kvledger.collect.sources.base import Contribution, EngineContribution, GpuContribution, Source
+from kvledger.config.model import LimitsConfig
+from kvledger.model.facts import Budgets, EngineFacts, GpuFacts, PoolFacts, RequestFacts, Snapshot, TenantQuota
+from kvledger.output.prometheus import render_text
+from kvledger.policy.engine_accounts import compute_accounts
 
 
 def healthy(name: str = "good", in_use: int = 3) -> EngineFacts:
@@ -227,7 +227,7 @@ def test_collector_counts_limited_labels_once_per_poll() -> None:
 
 
 def test_render_survives_a_family_that_raises(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvledger.prometheus_output as out
+    import kvledger.output.prometheus as out
 
     spec = next(s for s in out.CATALOG if s.name == "kvledger_kv_capacity_blocks")
 

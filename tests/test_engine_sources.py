@@ -14,10 +14,10 @@ from collections.abc import Iterator
 import pytest
 
 from harness.engine_fakes import FakeEngine
-from kvledger.config import EngineConfig
-from kvledger.engine_kinds import KINDS
-from kvledger.sources.base import Source, SourceError
-from kvledger.sources.registry import engine_sources
+from kvledger.collect.engine_kinds import KINDS
+from kvledger.collect.sources.base import Source, SourceError
+from kvledger.collect.sources.registry import engine_sources
+from kvledger.config.model import EngineConfig
 
 ENGINE_KINDS = ["sglang", "trtllm", "triton-trtllm", "tgi"]
 

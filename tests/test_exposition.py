@@ -9,8 +9,7 @@ from exposition_lint import lint_exposition
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvledger.catalog import CATALOG
-from kvledger.facts import (
+from kvledger.model.facts import (
     BlockRef,
     Budgets,
     EngineFacts,
@@ -25,8 +24,9 @@ from kvledger.facts import (
     SourceHealth,
     TenantQuota,
 )
-from kvledger.policy import compute_accounts
-from kvledger.prometheus_output import make_registry, render_text
+from kvledger.output.catalog import CATALOG
+from kvledger.output.prometheus import make_registry, render_text
+from kvledger.policy.engine_accounts import compute_accounts
 
 
 def rich_snapshot() -> Snapshot:

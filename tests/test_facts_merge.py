@@ -5,17 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger.config import (
-    EngineConfig,
-    HostConfig,
-    LimitConfig,
-    MemoryConfig,
-    ProcessMatch,
-    SizeWithSource,
-    TenantConfig,
-)
-from kvledger.facts import Budgets, EngineFacts, HostFacts, Limit, MemoryTerm, TenantQuota
-from kvledger.facts_merge import configured_facts, merge
+from kvledger.collect.merge import configured_facts, merge
+from kvledger.config.model import EngineConfig, HostConfig, LimitConfig, MemoryConfig, ProcessMatch, SizeWithSource, TenantConfig
+from kvledger.model.facts import Budgets, EngineFacts, HostFacts, Limit, MemoryTerm, TenantQuota
 
 
 def cfg(**kw: object) -> EngineConfig:

@@ -20,11 +20,11 @@ import pytest
 
 from harness.kvledger_daemon import ROOT, _env
 from kvledger.cli import format_value
-from kvledger.config import EngineConfig
+from kvledger.collect.sources.vllm.source import VllmSource
+from kvledger.config.model import EngineConfig
 from kvledger.integration.document_server import LedgerServer, serve_http
 from kvledger.sim.demo import demo_profiles
 from kvledger.sim.engine import SimEngine
-from kvledger.sources.vllm.source import VllmSource
 
 
 def kvledger(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -23,18 +23,10 @@ from fuzz_support import EXTREMES, FUZZ, assert_exports_cleanly, assert_facts_in
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from kvledger.config import (
-    MAX_INTERVAL,
-    MAX_TIMEOUT,
-    MIN_INTERVAL,
-    MIN_TIMEOUT,
-    Config,
-    ConfigError,
-    config_from_mapping,
-    load_config,
-)
-from kvledger.facts_merge import configured_facts, merge
-from kvledger.limits import MAX_SAFE_INT, MAX_TOKENS
+from kvledger.collect.merge import configured_facts, merge
+from kvledger.config.loader import config_from_mapping, load_config
+from kvledger.config.model import MAX_INTERVAL, MAX_TIMEOUT, MIN_INTERVAL, MIN_TIMEOUT, Config, ConfigError
+from kvledger.model.limits import MAX_SAFE_INT, MAX_TOKENS
 
 EXAMPLES = {p.name: p.read_text() for p in sorted((Path(__file__).parent.parent / "deploy" / "examples").glob("*.yml"))}
 _TMP = tempfile.TemporaryDirectory(prefix="kvledger-fuzz-config-")

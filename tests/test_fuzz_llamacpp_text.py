@@ -19,11 +19,11 @@ from fuzz_support import EXTREMES, FUZZ, assert_exports_cleanly, assert_facts_in
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from kvledger.config import EngineConfig
-from kvledger.sources.base import SourceError
-from kvledger.sources.llamacpp.documents import parse_props, parse_slots
-from kvledger.sources.llamacpp.mapping import llamacpp_facts
-from kvledger.sources.llamacpp.metrics import parse_metrics
+from kvledger.collect.sources.base import SourceError
+from kvledger.collect.sources.llamacpp.documents import parse_props, parse_slots
+from kvledger.collect.sources.llamacpp.mapping import llamacpp_facts
+from kvledger.collect.sources.llamacpp.metrics import parse_metrics
+from kvledger.config.model import EngineConfig
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llamacpp"
 SLOTS = {p.name: p.read_bytes() for p in sorted(FIXTURES.glob("*-slots.json"))}

@@ -19,8 +19,8 @@ from fuzz_support import EXTREMES, FUZZ, assert_exports_cleanly, assert_facts_in
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from kvledger.limits import MAX_REQUESTS, MAX_SAFE_INT, MAX_TOKENS
-from kvledger.protocol import ProtocolError, _request_checked, _request_fast, facts_from_document, facts_from_json, schema_errors
+from kvledger.model.limits import MAX_REQUESTS, MAX_SAFE_INT, MAX_TOKENS
+from kvledger.protocol.reader import ProtocolError, _request_checked, _request_fast, facts_from_document, facts_from_json, schema_errors
 
 POOL_INTS = ("block_size", "block_bytes", "num_blocks", "sliding_window", "references", "shared", "cached_blocks",
              "engine_reported_used_blocks", "layer_groups")

@@ -16,11 +16,11 @@ from fuzz_support import FUZZ, assert_exports_cleanly, assert_facts_in_range, pa
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from kvledger.config import EngineConfig
-from kvledger.facts import Snapshot
-from kvledger.policy import compute_accounts
-from kvledger.sources.base import SourceError
-from kvledger.sources.vllm.metrics import USAGE_CHECK, vllm_facts_from_metrics
+from kvledger.collect.sources.base import SourceError
+from kvledger.collect.sources.vllm.metrics import USAGE_CHECK, vllm_facts_from_metrics
+from kvledger.config.model import EngineConfig
+from kvledger.model.facts import Snapshot
+from kvledger.policy.engine_accounts import compute_accounts
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 CAPTURES = {p.name: p.read_text() for p in sorted(FIXTURES.glob("*.txt"))}
@@ -138,7 +138,7 @@ def test_usage_outside_unit_interval_is_unknown_and_counted(usage: str) -> None:
     accounts = compute_accounts(Snapshot(engines=[facts]))
     assert USAGE_CHECK in accounts.engines[0].invariant_violations
     accounts = assert_exports_cleanly(facts)
-    from kvledger.prometheus_output import render_text
+    from kvledger.output.prometheus import render_text
 
     names = {name for name, labels, _ in parse_exposition_samples(render_text(accounts)) if labels.get("engine") == "fuzz"}
     assert "kvledger_engine_reported_kv_used_blocks" not in names

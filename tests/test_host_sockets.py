@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.facts import EngineFacts, HostFacts, Snapshot
-from kvledger.sources.base import EnginePatch, SourceError
-from kvledger.sources.host_sockets import HostSocketSource, PortQueues, read_port_queues
+from kvledger.collect.sources.base import EnginePatch, SourceError
+from kvledger.collect.sources.host_sockets import HostSocketSource, PortQueues, read_port_queues
+from kvledger.model.facts import EngineFacts, HostFacts, Snapshot
 
 BUF = 64 * 1024
 

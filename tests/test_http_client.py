@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 
 from harness.hostile import HostileEngine
+from kvledger.collect.sources.base import SourceError
+from kvledger.collect.sources.http_client import HttpClient, redact_url
 from kvledger.integration.document_server import serve_unix
-from kvledger.sources.base import SourceError
-from kvledger.sources.http_client import HttpClient, redact_url
 
 
 @pytest.fixture

@@ -17,9 +17,9 @@ import pytest
 import yaml
 from tls_support import bcrypt_hash, make_ca, make_leaf
 
-from kvledger.collector import Collector
-from kvledger.http_connection import ServerLimits
-from kvledger.server import KvledgerHTTPServer, basic_auth_header
+from kvledger.collect.collector import Collector
+from kvledger.web.connection import ServerLimits
+from kvledger.web.server import KvledgerHTTPServer, basic_auth_header
 
 
 @pytest.fixture
@@ -250,7 +250,7 @@ def test_ipv6_listen_address(collector: Collector) -> None:
 
 
 def test_non_loopback_without_tls_or_auth_warns(collector: Collector, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("WARNING", logger="kvledger.server"):
+    with caplog.at_level("WARNING", logger="kvledger.web.server"):
         KvledgerHTTPServer("0.0.0.0:0", collector).stop()
         KvledgerHTTPServer("127.0.0.1:0", collector).stop()
     warnings = [r for r in caplog.records if "without TLS or basic auth" in r.getMessage()]

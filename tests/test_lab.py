@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvledger.cli import main
-from kvledger.lab import run_lab
+from kvledger.tools.lab import run_lab
 
 
 def test_working_set_fits() -> None:

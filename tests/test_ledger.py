@@ -5,7 +5,7 @@ from jsonschema import Draft202012Validator
 from ledger_checks import assert_consistent
 
 from kvledger.integration.reference_ledger import Ledger, LedgerError, OutOfBlocks, PoolSpec
-from kvledger.protocol import load_schema
+from kvledger.protocol.reader import load_schema
 
 B = 16
 
@@ -123,7 +123,7 @@ def test_advance_crosses_block_boundaries_and_counts_estimate_overflow_once():
 
 
 def test_parallel_sampling_and_speculative_slots_stay_within_reservation():
-    from kvledger.policy import reservation_blocks
+    from kvledger.policy.reservations import reservation_blocks
 
     led = make(blocks=1000, max_model_len=4096)
     led.admit("a", 40, 30, contexts=3, speculative_slots=2)

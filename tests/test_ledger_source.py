@@ -4,13 +4,13 @@ import tempfile
 
 import pytest
 
-from kvledger.config import EngineConfig, HostConfig, LimitConfig, MemoryConfig, ProcessMatch, SizeWithSource, TenantConfig
-from kvledger.facts import Limit, MemoryTerm, Snapshot, TenantQuota
-from kvledger.facts_merge import configured_facts
+from kvledger.collect.merge import configured_facts
+from kvledger.collect.sources.base import SourceError
+from kvledger.collect.sources.document import LedgerSource
+from kvledger.config.model import EngineConfig, HostConfig, LimitConfig, MemoryConfig, ProcessMatch, SizeWithSource, TenantConfig
 from kvledger.integration.document_server import serve_http, serve_unix
 from kvledger.integration.reference_ledger import Ledger, PoolSpec
-from kvledger.sources.base import SourceError
-from kvledger.sources.ledger import LedgerSource
+from kvledger.model.facts import Limit, MemoryTerm, Snapshot, TenantQuota
 
 
 def polled(url, **kw):
@@ -170,8 +170,8 @@ def test_document_without_budgets_takes_them_from_config():
 
 def test_unchanged_document_is_not_parsed_again(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """An idle engine serves the same bytes: the source reuses its facts; a change is seen."""
-    import kvledger.sources.ledger as ledger_mod
-    from kvledger.config import EngineConfig
+    import kvledger.collect.sources.document as ledger_mod
+    from kvledger.config.model import EngineConfig
     from kvledger.integration.document_server import serve_http
 
     doc = {"schema": "kvledger/v1", "pools": [{"id": "0", "block_size": 16, "block_bytes": 1, "num_blocks": 10}], "requests": []}

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.config import EngineConfig, load_config
-from kvledger.sources.base import EngineContribution, SourceError, SubsourceReport
-from kvledger.sources.llamacpp.source import LlamacppSource, endpoints
-from kvledger.sources.registry import build_sources
+from kvledger.collect.sources.base import EngineContribution, SourceError, SubsourceReport
+from kvledger.collect.sources.llamacpp.source import LlamacppSource, endpoints
+from kvledger.collect.sources.registry import build_sources
+from kvledger.config.loader import load_config
+from kvledger.config.model import EngineConfig
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llamacpp"
 CASE = "llamacpp-pre13660"
@@ -189,7 +190,7 @@ engines:
     [("kv_unified: yes-please", "expected true or false"), ("log_file: /tmp/x.log", "log_file is for kind vllm only")],
 )
 def test_bad_keys_are_refused_by_name(tmp_path: Path, line: str, message: str) -> None:
-    from kvledger.config import ConfigError
+    from kvledger.config.model import ConfigError
 
     path = tmp_path / "kvledger.yml"
     path.write_text(f"engines:\n  - name: llama\n    kind: llamacpp\n    url: http://127.0.0.1:8080\n    {line}\n")

@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 
 from harness.prometheus import start_prometheus
-from kvledger.collector import Collector
-from kvledger.config import EngineConfig
-from kvledger.endpoints import Endpoints, accepts_gzip
-from kvledger.http_connection import Request
+from kvledger.collect.collector import Collector
+from kvledger.collect.sources.document import LedgerSource
+from kvledger.config.model import EngineConfig
 from kvledger.integration.document_server import LedgerServer, serve_http
 from kvledger.integration.reference_ledger import Ledger, PoolSpec
-from kvledger.prometheus_output import render_text
-from kvledger.server import KvledgerHTTPServer
-from kvledger.sources.ledger import LedgerSource
+from kvledger.output.prometheus import render_text
+from kvledger.web.connection import Request
+from kvledger.web.endpoints import Endpoints, accepts_gzip
+from kvledger.web.server import KvledgerHTTPServer
 
 
 def _ledger() -> Ledger:

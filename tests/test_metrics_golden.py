@@ -14,9 +14,9 @@ from pathlib import Path
 
 from test_exposition import rich_snapshot
 
-from kvledger.catalog import CATALOG
-from kvledger.policy import compute_accounts
-from kvledger.prometheus_output import render_text
+from kvledger.output.catalog import CATALOG
+from kvledger.output.prometheus import render_text
+from kvledger.policy.engine_accounts import compute_accounts
 
 GOLDEN = Path(__file__).parent / "fixtures" / "metrics.golden.prom"
 REGEN = os.environ.get("KVLEDGER_REGEN") == "1"

@@ -10,9 +10,9 @@ import pynvml
 import pytest
 from fake_nvml import GIB, MIB, FakeGpu, Inventory
 
-from kvledger.facts import GpuProcess
-from kvledger.sources.base import GpuContribution, SourceError
-from kvledger.sources.nvml import NvmlSource
+from kvledger.collect.sources.base import GpuContribution, SourceError
+from kvledger.collect.sources.nvml import NvmlSource
+from kvledger.model.facts import GpuProcess
 
 
 class FakeClock:

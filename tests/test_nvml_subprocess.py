@@ -20,8 +20,8 @@ EXPORTER = Path(__file__).resolve().parents[1] / "exporter"
 
 SCRIPT = r"""
 import json, sys
-from kvledger.sources.base import SourceError
-from kvledger.sources.nvml import NvmlSource
+from kvledger.collect.sources.base import SourceError
+from kvledger.collect.sources.nvml import NvmlSource
 
 src = NvmlSource(sys.argv[1])
 out = {"available": src.available()}

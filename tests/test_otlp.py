@@ -8,8 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from test_exposition import rich_snapshot
 
-from kvledger.otlp_output import OtlpOutput
-from kvledger.policy import compute_accounts
+from kvledger.output.otlp import OtlpOutput
+from kvledger.policy.engine_accounts import compute_accounts
 
 
 def test_otlp_push_carries_the_catalogue() -> None:

@@ -20,17 +20,18 @@ from test_exposition import rich_snapshot
 from tls_support import bcrypt_hash
 
 from kvledger.cli import main
-from kvledger.collector import Collector
-from kvledger.facts import EngineFacts, PoolFacts, Snapshot
-from kvledger.lab import MAX_REQUESTS, run_lab
-from kvledger.pages import ACCOUNTS_HEADER, LabRequestError, lab_document, ledger_document
-from kvledger.policy import Accounts, compute_accounts
-from kvledger.prometheus_output import render_text
-from kvledger.server import KvledgerHTTPServer, basic_auth_header
-from kvledger.sources.base import Contribution, Source, SourceError
+from kvledger.collect.collector import Collector
+from kvledger.collect.sources.base import Contribution, Source, SourceError
+from kvledger.model.accounts import Accounts
+from kvledger.model.facts import EngineFacts, PoolFacts, Snapshot
+from kvledger.output.prometheus import render_text
+from kvledger.policy.engine_accounts import compute_accounts
+from kvledger.tools.lab import MAX_REQUESTS, run_lab
+from kvledger.web.pages import ACCOUNTS_HEADER, LabRequestError, lab_document, ledger_document
+from kvledger.web.server import KvledgerHTTPServer, basic_auth_header
 
 ROOT = Path(__file__).resolve().parents[1]
-WEB = ROOT / "exporter" / "kvledger" / "web"
+WEB = ROOT / "exporter" / "kvledger" / "web" / "static"
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 
@@ -279,7 +280,7 @@ def test_basic_auth_covers_the_pages(collector: Collector, tmp_path: Path) -> No
 
 def test_every_web_file_is_package_data() -> None:
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["kvledger"]
-    files = sorted(p.relative_to(WEB.parent).as_posix() for p in WEB.iterdir())
+    files = sorted(p.relative_to(WEB.parent.parent).as_posix() for p in WEB.iterdir())
     assert files and all(any(fnmatch(f, pat) for pat in patterns) for f in files), files
 
 

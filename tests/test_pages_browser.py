@@ -26,12 +26,12 @@ from test_pages import Samples, by_basis, metrics_samples
 
 from harness.browser import chromium, console_errors
 from harness.kvledger_daemon import Daemon, run_demo, run_lab
-from kvledger.collector import Collector
-from kvledger.facts import EngineFacts, PoolFacts, TenantQuota
-from kvledger.lab import MAX_REQUESTS
-from kvledger.lab import run_lab as lab_run
-from kvledger.server import KvledgerHTTPServer
-from kvledger.sources.base import Contribution, EngineContribution, Source
+from kvledger.collect.collector import Collector
+from kvledger.collect.sources.base import Contribution, EngineContribution, Source
+from kvledger.model.facts import EngineFacts, PoolFacts, TenantQuota
+from kvledger.tools.lab import MAX_REQUESTS
+from kvledger.tools.lab import run_lab as lab_run
+from kvledger.web.server import KvledgerHTTPServer
 
 pytestmark = pytest.mark.e2e
 
@@ -89,7 +89,7 @@ def _slots(driver: WebDriver) -> list[str]:
 
 
 def _cached(capacity: int, ids: int, requests: int) -> set[str]:
-    """What the cache holds after ``requests`` requests, by kvledger.lab.run_lab."""
+    """What the cache holds after ``requests`` requests, by kvledger.tools.lab.run_lab."""
     return {str(k) for k in lab_run(capacity, ids, requests).steps[-1].cache}
 
 

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from kvledger.block_bytes import ModelConfigError, count_weights, kv_shape, layer_pools, layer_windows
 from kvledger.cli import main
-from kvledger.plan import GPUS, ModelPlanInput, PlanError, parse_lengths, parse_live, parse_term, plan_from_live, plan_from_model
-from kvledger.policy import (
+from kvledger.model.block_bytes import ModelConfigError, count_weights, kv_shape, layer_pools, layer_windows
+from kvledger.policy.reservations import reservation_blocks, window_blocks
+from kvledger.policy.sizing import (
     GroupShape,
     breaking_term,
     kv_pool_left,
@@ -29,11 +29,10 @@ from kvledger.policy import (
     layer_group_size,
     max_shape_request_blocks,
     pool_blocks,
-    reservation_blocks,
     time_weighted_request_blocks,
-    window_blocks,
     worst_case_concurrency,
 )
+from kvledger.tools.plan import GPUS, ModelPlanInput, PlanError, parse_lengths, parse_live, parse_term, plan_from_live, plan_from_model
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30

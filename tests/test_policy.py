@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger.facts import (
+from kvledger.model.facts import (
     BlockRef,
     Budgets,
     EngineFacts,
@@ -15,14 +15,10 @@ from kvledger.facts import (
     Snapshot,
     TenantQuota,
 )
-from kvledger.policy import (
-    Measure,
-    admission_headroom,
-    compute_accounts,
-    engine_account,
-    physical_state,
-    reservation_blocks,
-)
+from kvledger.model.measure import Measure
+from kvledger.policy.engine_accounts import admission_headroom, compute_accounts, engine_account
+from kvledger.policy.physical import physical_state
+from kvledger.policy.reservations import reservation_blocks
 
 
 def req(rid: str, state: str = "running", p: int = 100, o: int = 50, **kw: object) -> RequestFacts:

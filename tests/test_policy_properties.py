@@ -16,8 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ledger_checks import design_reservation
 
-from kvledger.facts import BlockRef, Budgets, EngineFacts, PoolFacts, RequestFacts
-from kvledger.policy import EngineAccount, engine_account
+from kvledger.model.accounts import EngineAccount
+from kvledger.model.facts import BlockRef, Budgets, EngineFacts, PoolFacts, RequestFacts
+from kvledger.policy.engine_accounts import engine_account
 
 BLOCK = 16
 MAX_NUM_SEQS = 16
@@ -222,8 +223,8 @@ def test_releasing_one_request_never_frees_blocks_others_reference(
 @settings(max_examples=100, deadline=None)
 @given(ledgers())
 def test_columnar_block_refs_agree_with_objects(case: tuple[PoolFacts, list[RequestFacts], int]) -> None:
-    from kvledger.blockrefs import BlockRefArray
-    from kvledger.policy import physical_from_block_refs
+    from kvledger.model.block_refs import BlockRefArray
+    from kvledger.policy.physical import physical_from_block_refs
 
     pool, _, _ = case
     refs = list(pool.block_refs)  # type: ignore[arg-type]

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger.facts import Budgets, EngineFacts, PoolFacts, Snapshot
-from kvledger.policy import Measure, compute_accounts
+from kvledger.model.facts import Budgets, EngineFacts, PoolFacts, Snapshot
+from kvledger.model.measure import Measure
+from kvledger.policy.engine_accounts import compute_accounts
 
 
 def account(pool: PoolFacts, sharing: str = "per-request", max_model_len: int | None = 1024, max_num_seqs: int | None = None):  # type: ignore[no-untyped-def]

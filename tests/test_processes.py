@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.config import ProcessMatch
-from kvledger.sources.base import SourceError
-from kvledger.sources.processes import resolve_pids
+from kvledger.collect.sources.base import SourceError
+from kvledger.collect.sources.processes import resolve_pids
+from kvledger.config.model import ProcessMatch
 
 # parent (argv carries the marker) -> child "engine core" -> grandchild "worker";
 # each prints its PID once it exists, then waits for stdin to close.

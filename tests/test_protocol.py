@@ -4,9 +4,9 @@ import json
 import pytest
 from jsonschema import Draft202012Validator
 
-from kvledger.blockrefs import BlockRefArray
-from kvledger.facts import BlockRef, Limit, MemoryTerm, TenantQuota
-from kvledger.protocol import ProtocolError, facts_from_document, facts_from_json, load_schema, validate_document
+from kvledger.model.block_refs import BlockRefArray
+from kvledger.model.facts import BlockRef, Limit, MemoryTerm, TenantQuota
+from kvledger.protocol.reader import ProtocolError, facts_from_document, facts_from_json, load_schema, validate_document
 
 EXAMPLE = {
     "schema": "kvledger/v1",
@@ -222,7 +222,7 @@ def test_block_ref_array_behaves_as_a_sequence():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kvledger.protocol import _request_checked, _request_fast  # noqa: E402
+from kvledger.protocol.reader import _request_checked, _request_fast  # noqa: E402
 
 _values = st.one_of(st.none(), st.integers(-3, 5000), st.floats(-2, 100, allow_nan=False), st.text(max_size=3),
                     st.booleans(), st.lists(st.integers(-1, 50), max_size=4), st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),

@@ -11,13 +11,14 @@ import re
 import pytest
 from engine_golden import FIXTURES, check_golden
 
-from kvledger.config import EngineConfig
-from kvledger.facts import Snapshot
-from kvledger.facts_merge import configured_facts, merge
-from kvledger.policy import Measure, compute_accounts
-from kvledger.sources.base import SourceError
-from kvledger.sources.sglang.metrics import PAGE_CHECK, SUM_CHECK, USED_CHECK, sglang_facts
-from kvledger.sources.sglang.source import page_size_from_server_info
+from kvledger.collect.merge import configured_facts, merge
+from kvledger.collect.sources.base import SourceError
+from kvledger.collect.sources.sglang.metrics import PAGE_CHECK, SUM_CHECK, USED_CHECK, sglang_facts
+from kvledger.collect.sources.sglang.source import page_size_from_server_info
+from kvledger.config.model import EngineConfig
+from kvledger.model.facts import Snapshot
+from kvledger.model.measure import Measure
+from kvledger.policy.engine_accounts import compute_accounts
 
 DIR = FIXTURES / "sglang"
 OLD = (DIR / "sglang-before-kv-gauges-tp2-metrics.txt").read_text()

@@ -4,11 +4,11 @@ import pytest
 from jsonschema import Draft202012Validator
 from ledger_checks import assert_consistent, design_reservation
 
-from kvledger.protocol import load_schema
+from kvledger.collect.sources.document import LedgerSource
+from kvledger.protocol.reader import load_schema
 from kvledger.sim.demo import demo_profiles, start_demo
 from kvledger.sim.engine import SimEngine, SimProfile
 from kvledger.sim.gpu import SimGpuSource
-from kvledger.sources.ledger import LedgerSource
 
 VALIDATOR = Draft202012Validator(load_schema())
 PROFILES = {p.name: p for p in demo_profiles()}

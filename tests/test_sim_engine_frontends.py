@@ -9,10 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvledger.engine_kinds import KINDS
-from kvledger.facts import Snapshot
-from kvledger.facts_merge import configured_facts, merge
-from kvledger.policy import EngineAccount, compute_accounts
+from kvledger.collect.engine_kinds import KINDS
+from kvledger.collect.merge import configured_facts, merge
+from kvledger.model.accounts import EngineAccount
+from kvledger.model.facts import Snapshot
+from kvledger.policy.engine_accounts import compute_accounts
 from kvledger.sim.demo import demo_profiles, exposition_engine_config
 from kvledger.sim.engine import SimEngine
 from kvledger.sim.engine_frontends import FRONTENDS

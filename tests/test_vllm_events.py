@@ -20,9 +20,9 @@ from vllm_publisher import (
     wait_for,
 )
 
-from kvledger.sources.vllm.events_state import KvEventState
-from kvledger.sources.vllm.events_subscriber import KvEventSubscriber, offset_endpoint
-from kvledger.sources.vllm.events_wire import EventDecodeError, decode_batch
+from kvledger.collect.sources.vllm.events_state import KvEventState
+from kvledger.collect.sources.vllm.events_subscriber import KvEventSubscriber, offset_endpoint
+from kvledger.collect.sources.vllm.events_wire import EventDecodeError, decode_batch
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 

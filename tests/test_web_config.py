@@ -11,13 +11,14 @@ import pytest
 import yaml
 from tls_support import Pki, bcrypt_hash, make_pki
 
-from kvledger import basic_auth as basic_auth_module
-from kvledger.basic_auth import BasicAuth, parse_basic
 from kvledger.cli import build_parser
-from kvledger.config import ConfigError, config_from_mapping
-from kvledger.server import basic_auth_header
-from kvledger.tls_context import sans_allowed, server_context
-from kvledger.web_config import load_web_config, web_config_from_mapping
+from kvledger.config.loader import config_from_mapping
+from kvledger.config.model import ConfigError
+from kvledger.web import basic_auth as basic_auth_module
+from kvledger.web.basic_auth import BasicAuth, parse_basic
+from kvledger.web.server import basic_auth_header
+from kvledger.web.tls import sans_allowed, server_context
+from kvledger.web.web_config import load_web_config, web_config_from_mapping
 
 
 @pytest.fixture(scope="module")

@@ -22,15 +22,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_fuzz_protocol import documents
 
-from kvledger.config import EngineConfig
-from kvledger.facts import Snapshot
+from kvledger.collect.sources.document import LedgerSource
+from kvledger.config.model import EngineConfig
 from kvledger.integration.document_server import COLUMNS_TYPE, serve_http, wants_columns
 from kvledger.integration.reference_ledger import Ledger, LedgerError, PoolSpec
 from kvledger.integration.vllm.document import LedgerDocument, PoolStatic, RequestRow
 from kvledger.integration.vllm.tracker import PoolSummary
-from kvledger.policy import compute_accounts
-from kvledger.prometheus_output import render_text
-from kvledger.protocol import (
+from kvledger.model.facts import Snapshot
+from kvledger.model.request_table import RequestTable
+from kvledger.output.prometheus import render_text
+from kvledger.policy.engine_accounts import compute_accounts
+from kvledger.protocol.reader import (
     COLUMNS_MEDIA_TYPE,
     ProtocolError,
     _requests_checked,
@@ -38,8 +40,6 @@ from kvledger.protocol import (
     facts_from_document,
     schema_errors,
 )
-from kvledger.requesttable import RequestTable
-from kvledger.sources.ledger import LedgerSource
 
 REQUEST_KEYS = ("id", "tenant", "pool", "state", "prompt_tokens", "max_output_tokens", "output_bound", "generated_tokens",
                 "computed_tokens", "contexts", "speculative_slots", "blocks_held", "block_ids")
@@ -414,8 +414,8 @@ def test_vllm_document_versions_move_with_publications() -> None:
 
 
 def test_http_client_takes_304_only_for_a_conditional_get() -> None:
-    from kvledger.sources.base import SourceError
-    from kvledger.sources.http_client import HttpClient
+    from kvledger.collect.sources.base import SourceError
+    from kvledger.collect.sources.http_client import HttpClient
 
     led = busy_ledger(5)
     with serve_http(led.to_document) as server:

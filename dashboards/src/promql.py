@@ -1,6 +1,6 @@
 """PromQL building blocks shared by every dashboard.
 
-Metric names are checked against the catalogue (kvledger.catalog) and the recording
+Metric names are checked against the catalogue (kvledger.output.catalog) and the recording
 rules of monitoring/config.py when a query is built, so a dashboard cannot name a metric
 the exporter does not define nor a recorded series no rule records. The join keys
 (``monitoring.config.TARGET_LABELS``) and the recording rules come from that one module,
@@ -10,7 +10,7 @@ written once here.
 
 from __future__ import annotations
 
-from kvledger.catalog import BY_NAME
+from kvledger.output.catalog import BY_NAME
 from monitoring import config as mon
 
 # Recording rules (monitoring/config.py defines them, alerts/ writes them; dashboards only read them).
@@ -33,7 +33,7 @@ TENANT = 'tenant=~"$tenant"'
 def known(name: str) -> str:
     """Return ``name`` if the catalogue or the recording rules define it, else raise."""
     if name not in BY_NAME and name not in RECORDING_RULES:
-        raise KeyError(f"metric {name!r} is neither in kvledger.catalog nor a recording rule")
+        raise KeyError(f"metric {name!r} is neither in kvledger.output.catalog nor a recording rule")
     return name
 
 

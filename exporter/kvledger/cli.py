@@ -16,14 +16,15 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 
 from kvledger import __version__
-from kvledger.collector import Collector
-from kvledger.config import Config, ConfigError, load_config
-from kvledger.json_view import accounts_to_json
-from kvledger.limits import MAX_CONTEXTS, MAX_TOKENS
-from kvledger.memory import limit_malloc_arenas
-from kvledger.policy import Accounts
-from kvledger.server import KvledgerHTTPServer
-from kvledger.sources.base import Source
+from kvledger.collect.collector import Collector
+from kvledger.collect.memory import limit_malloc_arenas
+from kvledger.collect.sources.base import Source
+from kvledger.config.loader import load_config
+from kvledger.config.model import Config, ConfigError
+from kvledger.model.accounts import Accounts
+from kvledger.model.limits import MAX_CONTEXTS, MAX_TOKENS
+from kvledger.output.json_view import accounts_to_json
+from kvledger.web.server import KvledgerHTTPServer
 
 log = logging.getLogger("kvledger")
 
@@ -32,7 +33,7 @@ LAB_LISTEN = "127.0.0.1:9478"
 
 
 def _collector(config: Config, extra: Sequence[Source] = ()) -> Collector:
-    from kvledger.sources.registry import build_sources
+    from kvledger.collect.sources.registry import build_sources
 
     sources, timeouts, base = build_sources(config)
     sources.extend(extra)
@@ -88,7 +89,7 @@ def _run_until_signal(
     signal.signal(signal.SIGHUP, handle_hangup)
     otlp = None
     if otlp_endpoint:
-        from kvledger.otlp_output import OtlpOutput
+        from kvledger.output.otlp import OtlpOutput
 
         otlp = OtlpOutput(otlp_endpoint, collector.latest)
     if announce is not None:
@@ -141,7 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def reload(server: KvledgerHTTPServer) -> None:
         """SIGHUP: read the configuration again; a bad one is logged and the old one kept."""
-        from kvledger.sources.registry import build_sources
+        from kvledger.collect.sources.registry import build_sources
 
         old = running[0]
         log.info("received SIGHUP: reloading %s", args.config)
@@ -202,7 +203,7 @@ def parse_faults(values: Sequence[str]) -> dict[str, str]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kvledger.config import NvmlConfig
+    from kvledger.config.model import NvmlConfig
     from kvledger.sim.demo import start_demo
 
     try:
@@ -266,7 +267,7 @@ def _one_shot_logging(args: argparse.Namespace) -> Iterator[None]:
     """snapshot and check print every source's failure once, in their own output: the
     collector's "source down" warnings (the same failure again, on stderr) are held back
     unless --log-level debug asks for everything."""
-    collector_log = logging.getLogger("kvledger.collector")
+    collector_log = logging.getLogger("kvledger.collect.collector")
     previous = collector_log.level
     if args.log_level != "debug":
         collector_log.setLevel(logging.ERROR)
@@ -322,7 +323,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def serve_lab(listen: str, web_config_file: str | None, query: str = "") -> int:
     """`kvledger lab --serve`: the interactive lab page until SIGINT or SIGTERM."""
-    from kvledger.pages import LabSite
+    from kvledger.web.pages import LabSite
 
     try:
         server = KvledgerHTTPServer(listen, None, web_config_file=web_config_file, responder=LabSite())
@@ -348,7 +349,7 @@ def serve_lab(listen: str, web_config_file: str | None, query: str = "") -> int:
 def cmd_lab(args: argparse.Namespace) -> int:
     from urllib.parse import urlencode
 
-    from kvledger.lab import format_lab, run_lab
+    from kvledger.tools.lab import format_lab, run_lab
 
     if args.serve:
         given = {k: v for k, v in (("capacity", args.capacity), ("working_set", args.working_set)) if v is not None}
@@ -372,8 +373,8 @@ def cmd_lab(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Exit 0 when the budget closes, 1 when it does not or cannot be decided (with
     --check), 2 on bad input."""
-    from kvledger.config import parse_size
-    from kvledger.plan import (
+    from kvledger.config.loader import parse_size
+    from kvledger.tools.plan import (
         ModelPlanInput,
         PlanError,
         fetch_live,
@@ -467,7 +468,7 @@ PLAN_HELP = (
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from kvledger.plan import GPUS
+    from kvledger.tools.plan import GPUS
 
     pl = sub.add_parser("plan", help="validate a deployment's memory budget at its maximum shapes before it serves",
                         description=PLAN_HELP)

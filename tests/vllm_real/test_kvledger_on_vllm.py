@@ -38,7 +38,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.kvledger_daemon import Daemon, run_serve
-from kvledger.sources.vllm.startup_log import memory_terms, parse_vllm_log
+from kvledger.collect.sources.vllm.startup_log import memory_terms, parse_vllm_log
 
 from .kv_events import EventBatch, KvEventSubscriber, cached_hashes, iter_events, replay
 from .server import (

@@ -29,8 +29,8 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvledger.facts import ADMISSIONS, BUDGET_CATEGORIES, LIMIT_KINDS, OUTPUT_BOUNDS, OVERFLOWS, TERM_SOURCES
-from kvledger.policy import reservation_blocks
+from kvledger.model.facts import ADMISSIONS, BUDGET_CATEGORIES, LIMIT_KINDS, OUTPUT_BOUNDS, OVERFLOWS, TERM_SOURCES
+from kvledger.policy.reservations import reservation_blocks
 
 SCHEMA_ID = "kvledger/v1"
 

@@ -22,7 +22,7 @@ import tempfile
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from kvledger.config import EngineConfig, HostConfig, LimitConfig, MemoryConfig, ProcessMatch, TenantConfig
+from kvledger.config.model import EngineConfig, HostConfig, LimitConfig, MemoryConfig, ProcessMatch, TenantConfig
 from kvledger.integration.document_server import LedgerServer, serve_http, serve_unix
 from kvledger.integration.reference_ledger import PoolSpec
 from kvledger.sim.engine import GiB, SimEngine, SimProfile
@@ -116,7 +116,7 @@ def demo_profiles() -> list[SimProfile]:
             runtime_buffers_bytes=GiB // 2,
             served_as="vllm",
         ),
-        # Stock engines of the other kinds, read through their /metrics only (kvledger.sources):
+        # Stock engines of the other kinds, read through their /metrics only (kvledger.collect.sources):
         # no GPUs of their own in the simulated budget, light workloads (the demo starts fast).
         SimProfile(
             name="sim-stock-sglang",

@@ -1,7 +1,7 @@
 """Simulated engines seen the way SGLang, trtllm-serve, Triton's TensorRT-LLM backend and TGI
 show themselves: their /metrics exposition, computed at each scrape from the reference
 ledger's true state, with each engine's names, labels, units and blind spots (the sources in
-``kvledger.sources`` read them as they read the real engines; docs/engines/<kind>.md):
+``kvledger.collect.sources`` read them as they read the real engines; docs/engines/<kind>.md):
 
 - ``SglangFrontend``: token counts (pages x page size) of the kv_* triple (available =
   free, evictable = reclaimable, used = in-use), ``page_size``, ``num_pages``, ``context_len``,

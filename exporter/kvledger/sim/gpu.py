@@ -13,9 +13,9 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
-from kvledger.facts import GpuFacts, GpuProcess
+from kvledger.collect.sources.base import GpuContribution, Source
+from kvledger.model.facts import GpuFacts, GpuProcess
 from kvledger.sim.engine import SimEngine
-from kvledger.sources.base import GpuContribution, Source
 
 GiB = 2**30
 

@@ -1,0 +1,1 @@
+"""Collecting facts: one source per engine kind (and NVML, /proc), polling, the merge of configured and reported facts."""

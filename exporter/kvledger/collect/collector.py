@@ -1,0 +1,482 @@
+"""Background polling of every source, each isolated with its own timeout, and the
+accounting of the assembled Snapshot. A scrape reads ``latest()``; it never waits.
+
+Each cycle (every ``interval`` seconds) submits a poll for every source that is not
+already in flight, waits at most until the next cycle, then assembles a fresh
+Snapshot from the latest contribution of every source that is *up* and runs the
+policy. A source that raises is marked down with its reason; one that hangs past its
+timeout is marked down (``timeout``) and is not polled again until the hung poll
+returns. A down source contributes nothing: its series disappear rather than go stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+from kvledger.collect.label_limits import LabelLimitError, LimitCounts, limit_labels
+from kvledger.collect.sources.base import Contribution, EngineContribution, GpuContribution, Source, SourceError
+from kvledger.collect.sources.http_client import redact_text
+from kvledger.config.model import LimitsConfig
+from kvledger.model.accounts import Accounts, EngineAccount
+from kvledger.model.facts import EngineFacts, Sharing, Snapshot, SourceHealth
+from kvledger.output.catalog import CATALOG
+from kvledger.policy.device_budget import budget_terms, gpu_accounts
+from kvledger.policy.engine_accounts import engine_account
+
+log = logging.getLogger("kvledger.collect.collector")
+
+
+@dataclass
+class _PollOutcome:
+    contribution: Contribution | None
+    error: SourceError | None
+    duration: float
+
+
+@dataclass
+class _Runner:
+    source: Source
+    timeout: float
+    health: SourceHealth
+    latest: Contribution | None = None
+    future: Future[_PollOutcome] | None = None
+    started: float = 0.0
+    timed_out: bool = False
+    generation: int = 0  # successful polls so far
+    message: str | None = None  # the full text of the latest failure
+    accounted_at: float | None = None  # last_success of the latest poll whose facts were accounted
+
+
+@dataclass
+class _Reconfiguration:
+    sources: list[Source]
+    base_engines: list[EngineFacts]
+    timeouts: dict[int, float]
+    sharing: Sharing
+    interval: float
+    limits: LimitsConfig
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def _close(source: Source) -> None:
+    try:
+        source.close()
+    except Exception:  # closing is best effort; report and go on
+        log.exception("closing source %s/%s", source.engine, source.kind)
+
+
+#: seconds between the starts of two polls of one cycle (see ``Collector._submit_idle``)
+POLL_SPACING = 0.005
+
+
+def _timed_poll(source: Source, delay: float = 0.0) -> _PollOutcome:
+    if delay > 0:
+        time.sleep(delay)
+    start = time.monotonic()
+    try:
+        contribution = source.poll()
+        return _PollOutcome(contribution, None, time.monotonic() - start)
+    except SourceError as exc:
+        return _PollOutcome(None, exc, time.monotonic() - start)
+    except Exception as exc:  # a bug in a source must not stop the others: report it as one
+        log.exception("source %s/%s raised unexpectedly", source.engine, source.kind)
+        return _PollOutcome(None, SourceError("internal", f"{type(exc).__name__}: {exc}"), time.monotonic() - start)
+
+
+@dataclass
+class Collector:
+    sources: Sequence[Source]
+    base_engines: Sequence[EngineFacts] = ()
+    sharing: Sharing = "per-request"
+    interval: float = 1.0
+    timeouts: dict[int, float] = field(default_factory=dict)  # id(source) -> seconds
+    default_timeout: float = 2.0
+    on_cycle: Callable[[Accounts], None] | None = None
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+
+    def __post_init__(self) -> None:
+        self._runners = [
+            _Runner(s, self.timeouts.get(id(s), self.default_timeout), SourceHealth(s.engine, s.kind, up=False, reason="not polled yet"))
+            for s in self.sources
+        ]
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self._runners)), thread_name_prefix="kvledger-poll")
+        self._lock = threading.Lock()
+        self._latest: Accounts | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._invariant_totals: dict[tuple[str, str], int] = {}
+        self._counted_generation: dict[int, int] = {}
+        self._limited_totals: dict[tuple[str, str, str], int] = {}
+        self._subs: dict[tuple[str, str], SourceHealth] = {}
+        self._sub_messages: dict[tuple[str, str], str | None] = {}
+        self._pending: _Reconfiguration | None = None
+        # each engine's account with the inputs it was computed from (reused while they stay the same objects)
+        self._accounted: dict[str, tuple[tuple[object, ...], EngineAccount, LimitCounts]] = {}
+        self._last_limited: LimitCounts | None = None
+        self.cycles = 0
+
+    # ------------------------------------------------------------ public
+
+    def latest(self) -> Accounts | None:
+        return self._latest
+
+    def ready(self) -> bool:
+        return self._latest is not None
+
+    def health(self) -> list[tuple[SourceHealth, str | None]]:
+        """Each source's health with the full message of its latest failure."""
+        main = [(dataclasses.replace(r.health), r.message) for r in self._runners]
+        subs = [(dataclasses.replace(h), self._sub_messages.get(k)) for k, h in self._subs.items()]
+        return main + subs
+
+    def reconfigure(
+        self,
+        sources: Sequence[Source],
+        base_engines: Sequence[EngineFacts],
+        timeouts: dict[int, float],
+        sharing: Sharing,
+        interval: float,
+        limits: LimitsConfig,
+        wait: float = 10.0,
+    ) -> bool:
+        """Take a new configuration (SIGHUP): sources that are the same objects as before
+        keep their state (health, counters, a poll in flight); the others are closed. It is
+        applied by the polling thread at its next cycle (or now, if it is not running);
+        returns False if that did not happen within ``wait`` seconds."""
+        change = _Reconfiguration(list(sources), list(base_engines), dict(timeouts), sharing, interval, limits)
+        if self._thread is None or not self._thread.is_alive():
+            self._apply(change)
+            return True
+        with self._lock:
+            self._pending = change
+        return change.done.wait(wait)
+
+    def _apply(self, change: _Reconfiguration) -> None:
+        old = {id(r.source): r for r in self._runners}
+        runners: list[_Runner] = []
+        for s in change.sources:
+            timeout = change.timeouts.get(id(s), self.default_timeout)
+            r = old.pop(id(s), None)
+            if r is None:
+                r = _Runner(s, timeout, SourceHealth(s.engine, s.kind, up=False, reason="not polled yet"))
+            r.timeout = timeout
+            runners.append(r)
+        for r in old.values():  # removed or changed: closed off the polling thread
+            threading.Thread(target=_close, args=(r.source,), name="kvledger-close", daemon=True).start()
+        self._runners = runners
+        self.sources = change.sources
+        self.base_engines = change.base_engines
+        self.timeouts = change.timeouts
+        self.sharing = change.sharing
+        self.interval = change.interval
+        self.limits = change.limits
+        self._pool.shutdown(wait=False)  # polls in flight finish there
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(runners)), thread_name_prefix="kvledger-poll")
+        engines = {s.engine for s in change.sources} | {e.name for e in change.base_engines}
+        self._invariant_totals = {k: v for k, v in self._invariant_totals.items() if k[0] in engines}
+        self._limited_totals = {k: v for k, v in self._limited_totals.items() if k[0] in engines}
+        self._subs = {k: v for k, v in self._subs.items() if k[0] in engines}
+        change.done.set()
+
+    def _take_pending(self) -> None:
+        with self._lock:
+            change, self._pending = self._pending, None
+        if change is not None:
+            self._apply(change)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="kvledger-collector", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval + 5)
+        for r in self._runners:
+            _close(r.source)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def poll_once(self) -> Accounts:
+        """Poll every source once, waiting for each up to its timeout (for `snapshot`)."""
+        self._submit_idle()
+        deadline = time.monotonic() + max((r.timeout for r in self._runners), default=0.0)
+        while any(r.future is not None for r in self._runners) and time.monotonic() < deadline:
+            pending = [r.future for r in self._runners if r.future is not None]
+            wait(pending, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED)
+            self._harvest()
+        self._harvest(force_timeouts=True)
+        return self._account()
+
+    # ------------------------------------------------------------ cycle
+
+    def _loop(self) -> None:
+        next_cycle = time.monotonic()
+        while not self._stop.is_set():
+            self._take_pending()
+            self._submit_idle()
+            pending = [r.future for r in self._runners if r.future is not None]
+            # wait for this cycle's polls, but never past the next cycle
+            if pending:
+                wait(pending, timeout=max(0.0, next_cycle + self.interval * 0.9 - time.monotonic()))
+            self._harvest()
+            try:
+                self._account()
+            except Exception as exc:  # a bug of ours: never keep serving the old numbers as fresh
+                log.exception("accounting failed; no engine is exported this cycle")
+                self._account_failed(exc)
+            next_cycle += self.interval
+            delay = next_cycle - time.monotonic()
+            if delay < 0:
+                next_cycle = time.monotonic()
+                delay = 0
+            self._stop.wait(delay)
+
+    def _submit_idle(self) -> None:
+        """Start a poll of every source not still polling, each in its own thread (a slow
+        source delays no other), their starts spaced ``POLL_SPACING`` apart (all within a
+        tenth of the interval): polls started at one instant fight over the interpreter
+        lock while they read their answers, which cost a third more CPU per fetch than
+        the same fetches one after the other (docs/performance.md)."""
+        now = time.monotonic()
+        idle = [r for r in self._runners if r.future is None]
+        spacing = min(POLL_SPACING, 0.1 * self.interval / max(1, len(idle)))
+        for i, r in enumerate(idle):
+            delay = i * spacing
+            r.started = now + delay
+            r.timed_out = False
+            r.future = self._pool.submit(_timed_poll, r.source, delay)
+
+    def _harvest(self, force_timeouts: bool = False) -> None:
+        now = time.monotonic()
+        for r in self._runners:
+            if r.future is None:
+                continue
+            if r.future.done():
+                outcome = r.future.result()
+                r.future = None
+                r.health.duration_seconds = outcome.duration
+                if outcome.error is None:
+                    r.latest = outcome.contribution
+                    r.generation += 1
+                    r.health.up = True
+                    r.health.reason = None
+                    r.message = None
+                    r.health.last_success = time.time()
+                else:
+                    self._mark_down(r, outcome.error.reason, outcome.error.message)
+            elif (force_timeouts or now - r.started > r.timeout) and not r.timed_out:
+                r.timed_out = True
+                self._mark_down(r, "timeout", f"no answer within {r.timeout:g} s")
+
+    def _mark_down(self, r: _Runner, reason: str, message: str) -> None:
+        message = redact_text(message)
+        if r.health.up or r.message != message:
+            log.warning("source %s/%s down (%s): %s", r.source.engine or "-", r.source.kind, reason, message)
+        r.latest = None
+        r.health.up = False
+        r.health.reason = reason
+        r.message = message
+        r.health.errors[reason] = r.health.errors.get(reason, 0) + 1
+
+    def _sub_health(self) -> list[SourceHealth]:
+        """Health of parts a source runs itself (e.g. vLLM's KV-event subscriber and log reader)."""
+        out = []
+        now = time.time()
+        for r in self._runners:
+            for report in r.source.subsource_health():
+                name, up, message = report.name, report.up, report.message
+                key = (r.source.engine, name)
+                h = self._subs.get(key)
+                if h is None:
+                    h = self._subs[key] = SourceHealth(r.source.engine, name, up=False)
+                    h.last_success = None
+                if not up and (h.up or h.reason is None):
+                    h.errors["unavailable"] = h.errors.get("unavailable", 0) + 1
+                    log.warning("source %s/%s down: %s", r.source.engine, name, message)
+                h.up = up
+                h.reason = None if up else "unavailable"
+                self._sub_messages[key] = None if message is None else redact_text(message)
+                if up:
+                    h.last_success = now
+                out.append(dataclasses.replace(h, errors=dict(h.errors)))
+        return out
+
+    def _account(self) -> Accounts:
+        """Assemble the Snapshot and account it, one engine at a time: an engine whose
+        facts cannot be accounted or rendered is dropped alone, its primary source marked
+        down (``invalid``), and every other engine's numbers stay fresh."""
+        taken_at = time.time()
+        snapshot = Snapshot(
+            engines=[dataclasses.replace(e) for e in self.base_engines],
+            sharing=self.sharing,
+            taken_at=taken_at,
+        )
+        fresh: set[str] = set()  # engines whose primary facts are new this cycle
+        primary: dict[str, _Runner] = {}
+        inputs: dict[str, list[object]] = {}  # what was applied to each engine, in order
+        contributions = [(r.latest.order, i, r) for i, r in enumerate(self._runners) if r.latest is not None]
+        for _, _, r in sorted(contributions, key=lambda t: (t[0], t[1])):
+            contribution = r.latest
+            assert contribution is not None
+            try:
+                contribution.apply(snapshot)
+            except Exception as exc:  # a malformed contribution fails its own source alone
+                self._invalid(r, exc)
+                continue
+            target = contribution.facts.name if isinstance(contribution, EngineContribution) else getattr(contribution, "engine", None)
+            if isinstance(target, str):
+                inputs.setdefault(target, []).append(contribution)
+            if isinstance(contribution, EngineContribution):
+                name = contribution.facts.name
+                primary[name] = r
+                if self._counted_generation.get(id(r)) != r.generation:
+                    self._counted_generation[id(r)] = r.generation
+                    fresh.add(name)
+
+        engines: list[EngineAccount] = []
+        base_of = {e.name: e for e in self.base_engines}
+        cache: dict[str, tuple[tuple[object, ...], EngineAccount, LimitCounts]] = {}
+        for facts in snapshot.engines:
+            name = facts.name
+            key = (base_of.get(name), self.sharing, self.limits, *inputs.get(name, ()))
+            cached = self._accounted.get(name)
+            if cached is not None and len(cached[0]) == len(key) and all(a is b for a, b in zip(cached[0], key, strict=True)):
+                # the same inputs as last cycle (an idle engine's unchanged document): the
+                # same account, already checked; a fresh poll of it still counts its findings
+                account, limited = cached[1], cached[2]
+                if name in fresh:
+                    self._count_limited(name, limited)
+                    self._count_invariants(account)
+                engines.append(account)
+                cache[name] = cached
+                continue
+            computed = self._engine_account(facts, primary.get(name), name in fresh, snapshot)
+            if computed is not None:
+                engines.append(computed)
+                if self._last_limited is not None:
+                    cache[name] = (key, computed, self._last_limited)
+        self._accounted = cache
+        snapshot.engines = [a.facts for a in engines]
+
+        terms = budget_terms(snapshot.engines)
+        try:
+            gpus = gpu_accounts(snapshot, terms)
+            check_renderable(Accounts([], gpus, terms, snapshot.driver_version, [], self.sharing, taken_at))
+        except Exception as exc:  # GPU facts that cannot be accounted fail the GPU sources alone
+            for r in self._runners:
+                if isinstance(r.latest, GpuContribution):
+                    self._invalid(r, exc)
+            gpus = []
+            snapshot.driver_version = None
+
+        for r in self._runners:  # a poll counts as a success once its facts were accounted
+            if r.health.up:
+                r.accounted_at = r.health.last_success
+        accounts = Accounts(
+            engines=engines,
+            gpus=gpus,
+            budget=terms,
+            driver_version=snapshot.driver_version,
+            health=[dataclasses.replace(r.health, errors=dict(r.health.errors)) for r in self._runners]
+            + self._sub_health(),
+            sharing=self.sharing,
+            taken_at=taken_at,
+            invariant_totals=dict(self._invariant_totals),
+            labels_limited=dict(self._limited_totals),
+        )
+        with self._lock:
+            self._latest = accounts
+            self.cycles += 1
+        if self.on_cycle is not None:
+            self.on_cycle(accounts)
+        return accounts
+
+    def _engine_account(
+        self, facts: EngineFacts, runner: _Runner | None, fresh: bool, snapshot: Snapshot
+    ) -> EngineAccount | None:
+        """The engine's account, or None; facts that cannot be accounted or rendered mark
+        its primary source down and fall back to what the configuration alone says."""
+        self._last_limited = None
+        try:
+            limited_facts, limited = limit_labels(facts, self.limits)
+            if fresh:
+                self._count_limited(facts.name, limited)
+            account = engine_account(limited_facts, self.sharing)
+            check_renderable(_alone(account, snapshot))
+        except Exception as exc:  # facts the policy or the renderer cannot carry
+            if fresh and isinstance(exc, LabelLimitError):
+                self._count_limited(facts.name, exc.counts)
+            self._invalid(runner, exc, engine=facts.name)
+            base = next((b for b in self.base_engines if b.name == facts.name), None)
+            if runner is None or base is None:
+                return None
+            try:  # like a source that is down: the configured facts only
+                account = engine_account(dataclasses.replace(base), self.sharing)
+                check_renderable(_alone(account, snapshot))
+            except Exception:
+                return None
+            return account
+        if fresh:
+            self._count_invariants(account)
+        self._last_limited = limited  # accounted from the engine's own facts: may be reused
+        return account
+
+    def _count_invariants(self, account: EngineAccount) -> None:
+        for check in account.invariant_violations:
+            key = (account.name, check)
+            self._invariant_totals[key] = self._invariant_totals.get(key, 0) + 1
+
+    def _account_failed(self, exc: BaseException) -> None:
+        for r in self._runners:
+            if r.latest is not None:
+                self._mark_down(r, "internal", f"accounting failed: {type(exc).__name__}: {exc}")
+        accounts = Accounts(
+            [], [], [], None, [dataclasses.replace(r.health, errors=dict(r.health.errors)) for r in self._runners],
+            self.sharing, time.time(),
+        )
+        with self._lock:
+            self._latest = accounts
+
+    def _invalid(self, r: _Runner | None, exc: BaseException, engine: str | None = None) -> None:
+        """Mark ``r`` down as ``invalid``: its facts passed the parser but cannot be accounted."""
+        text = str(exc) or type(exc).__name__
+        if len(text) > 300:
+            text = text[:300] + "..."
+        message = f"facts cannot be accounted: {type(exc).__name__}: {text}"
+        if not isinstance(exc, LabelLimitError):
+            log.debug("engine %s: accounting failed", engine or (r.source.engine if r else "-"), exc_info=exc)
+        if r is None:
+            log.warning("engine %s: configured facts cannot be accounted: %s", engine, message)
+            return
+        self._mark_down(r, "invalid", message)
+        r.health.last_success = r.accounted_at  # an invalid poll is no success
+
+    def _count_limited(self, engine: str, counts: dict[tuple[str, str], int]) -> None:
+        for (label, action), n in counts.items():
+            key = (engine, label, action)
+            self._limited_totals[key] = self._limited_totals.get(key, 0) + n
+
+
+def _alone(account: EngineAccount, snapshot: Snapshot) -> Accounts:
+    """Accounts holding one engine only (and its budget terms), to render it alone."""
+    return Accounts([account], [], budget_terms([account.facts]), None, [], snapshot.sharing, snapshot.taken_at)
+
+
+def check_renderable(accounts: Accounts) -> None:
+    """Raise ValueError unless every catalogue sample of ``accounts`` can be exported: a
+    finite number and label values that are text (UTF-8 encodable, no NUL)."""
+    for spec in CATALOG:
+        for labels, value in spec.samples(accounts):
+            if not math.isfinite(value):
+                raise ValueError(f"{spec.name}: value {value!r} is not finite")
+            for label in labels:
+                if not isinstance(label, str) or "\x00" in label:
+                    raise ValueError(f"{spec.name}: label value {label!r} is not text")
+                label.encode("utf-8")

@@ -1,0 +1,119 @@
+"""The source interface: a source knows one thing and turns it into Snapshot facts.
+
+A source's ``poll()`` does its I/O (bounded by its own timeout) and returns a
+Contribution; the collector applies the latest contribution of every *up* source to
+a fresh Snapshot before the policy runs. A source never computes policy numbers.
+
+Failures are raised as ``SourceError(reason, message)``: ``reason`` is a short,
+bounded token used as a label value (``timeout``, ``connect``, ``http_status``,
+``parse``, ``schema``, ``driver``, ...); ``message`` is the human sentence that names
+what was wrong (shown by ``kvledger check``/``snapshot`` and logged).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvledger.collect.merge import merge
+from kvledger.model.facts import EngineFacts, GpuFacts, Snapshot
+
+
+class SourceError(Exception):
+    """A source failed; ``reason`` is a bounded label value, the message says what was wrong."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class Contribution(ABC):
+    """What one successful poll adds to a Snapshot. Must not mutate shared objects."""
+
+    #: primaries (the engine's main facts) are applied before patches
+    order: int = 1
+
+    @abstractmethod
+    def apply(self, snapshot: Snapshot) -> None: ...
+
+
+def find_engine(snapshot: Snapshot, name: str) -> EngineFacts | None:
+    for engine in snapshot.engines:
+        if engine.name == name:
+            return engine
+    return None
+
+
+@dataclass
+class EngineContribution(Contribution):
+    """The primary facts of one engine, as the engine reports them; the configured facts
+    are merged in by ``facts_merge.merge`` (one precedence for every field)."""
+
+    facts: EngineFacts
+    order: int = 0
+
+    def apply(self, snapshot: Snapshot) -> None:
+        base = find_engine(snapshot, self.facts.name)
+        if base is not None:
+            snapshot.engines[snapshot.engines.index(base)] = merge(self.facts, base)
+        else:
+            snapshot.engines.append(dataclasses.replace(self.facts))
+
+
+@dataclass
+class EnginePatch(Contribution):
+    """A secondary fact for an engine (events, log, host sockets): fn returns a new EngineFacts."""
+
+    engine: str
+    fn: Callable[[EngineFacts], EngineFacts]
+    order: int = 1
+
+    def apply(self, snapshot: Snapshot) -> None:
+        base = find_engine(snapshot, self.engine)
+        if base is None:
+            return
+        snapshot.engines[snapshot.engines.index(base)] = self.fn(base)
+
+
+@dataclass
+class GpuContribution(Contribution):
+    gpus: list[GpuFacts]
+    driver_version: str | None = None
+    order: int = 0
+
+    def apply(self, snapshot: Snapshot) -> None:
+        snapshot.gpus = list(self.gpus)
+        snapshot.driver_version = self.driver_version
+
+
+@dataclass(frozen=True)
+class SubsourceReport:
+    """The health of a part a source runs itself (vLLM's KV-event subscriber, its log reader)."""
+
+    name: str  # the ``source`` label value, e.g. "kv_events"
+    up: bool
+    message: str | None = None  # why it is not up
+
+
+class Source(ABC):
+    """One source of facts. ``engine`` is the engine name ("" for node-wide sources)."""
+
+    kind: str = ""
+    engine: str = ""
+
+    @abstractmethod
+    def poll(self) -> Contribution:
+        """Fetch and parse once; raise SourceError on failure. Runs off the scrape path."""
+
+    def subsource_health(self) -> list[SubsourceReport]:
+        """The parts this source runs itself, each with its health (none by default)."""
+        return []
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release sockets and threads."""

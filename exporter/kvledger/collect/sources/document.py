@@ -1,0 +1,120 @@
+"""The ``ledger`` source: a kvledger/v1 document over HTTP(S) or HTTP over a Unix socket.
+
+``url`` is ``http://host:port/path``, ``https://...`` or ``unix:///path/to/socket``
+(then ``GET /`` is sent over the socket, with HTTP/1.1). ``timeout_seconds`` bounds
+the whole exchange (connect, headers and body together). The document is exact; what
+only the configuration knows is merged in by the collector (``facts_merge``).
+
+Each GET asks for the cheaper forms a server may offer (docs/ledger.md, "Cheaper reads"):
+the columnar form (``Accept``), and, once the server has sent an ``ETag``, a conditional
+read (``If-None-Match``) that an unchanged ledger answers 304 without a body. A plain v1
+server ignores both and serves its row form as before.
+
+Errors (SourceError reasons): ``connect``, ``timeout``, ``http_status``, ``too_large``
+(the HTTP client's, see ``http_client``), ``parse`` (not JSON), ``schema`` (breaks
+kvledger/v1; the message names the field path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass
+
+from kvledger.collect.memory import release_freed_memory
+from kvledger.collect.sources.base import EngineContribution, Source, SourceError
+from kvledger.collect.sources.http_client import LARGE_BODY, HttpClient
+from kvledger.config.model import EngineConfig
+from kvledger.model.facts import EngineFacts
+from kvledger.protocol.reader import COLUMNS_MEDIA_TYPE, NotJsonError, ProtocolError, facts_from_json
+
+#: what a ledger GET accepts: the columnar form first, the row form (plain v1) as well
+ACCEPT = f"{COLUMNS_MEDIA_TYPE}, application/json;q=0.9"
+
+
+def parse_document(body: bytes, where: str, engine: str) -> EngineFacts:
+    """The facts of a kvledger/v1 document body; SourceError ``parse`` or ``schema`` naming ``where``."""
+    try:
+        return facts_from_json(body, engine)
+    except NotJsonError as exc:  # also invalid UTF-8
+        raise SourceError("parse", f"{where}: document is not JSON (line {exc.line}, column {exc.column}: {exc.reason})") from None
+    except ProtocolError as exc:
+        raise SourceError("schema", f"{where}: not a kvledger/v1 document: {exc}") from None
+
+
+#: one document is decoded and converted at a time: the engines' polls run at once, and
+#: interleaving their parsing only adds interpreter hand-offs and holds every decoded
+#: document in memory together (the fetches, which wait on the network, still overlap)
+PARSE_LOCK = threading.Lock()
+
+
+@dataclass
+class _Read:
+    key: bytes | None  # the body, or its digest when large; None when the server tags it
+    etag: str | None
+    facts: EngineFacts
+
+
+class DocumentReader:
+    """One kvledger/v1 address read as cheaply as its server allows: a 304 or an unchanged
+    body gives the facts of the previous read without parsing (``read`` returns the same
+    object, so callers can tell nothing changed)."""
+
+    def __init__(self, client: HttpClient, engine: str) -> None:
+        self.client = client
+        self.engine = engine
+        self._last: _Read | None = None
+        self.not_modified = 0  # reads answered 304
+        self.unchanged = 0  # 200 answers with the previous body
+        self.columnar = 0  # documents read in the columnar form
+
+    def read(self) -> EngineFacts:
+        last = self._last
+        answer = self.client.fetch(accept=ACCEPT, if_none_match=None if last is None else last.etag)
+        if answer.status == 304 and last is not None:
+            self.not_modified += 1
+            return last.facts
+        body = answer.body
+        # without an ETag, an idle engine is recognised by its body (a large one by its
+        # digest, so the daemon does not hold a copy between polls)
+        key = None if answer.etag else body if len(body) < LARGE_BODY else hashlib.blake2b(body, digest_size=32).digest()
+        if last is not None and key is not None and key == last.key:
+            self.unchanged += 1
+            return last.facts
+        self._last = None
+        try:
+            with PARSE_LOCK:
+                facts = parse_document(body, self.client.where, self.engine)
+        finally:
+            if len(body) >= LARGE_BODY:
+                del body
+                release_freed_memory()
+        if answer.content_type is not None and answer.content_type.startswith(COLUMNS_MEDIA_TYPE):
+            self.columnar += 1
+        self._last = _Read(key, answer.etag, facts)
+        return facts
+
+
+class LedgerSource(Source):
+    kind = "ledger"
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.engine = cfg.name
+        self._http = HttpClient(
+            cfg.url, timeout=cfg.timeout_seconds, max_bytes=cfg.max_response_bytes, accept="application/json"
+        )
+        self.reader = DocumentReader(self._http, cfg.name)
+        self._last: tuple[EngineFacts, EngineContribution] | None = None
+        self.url = self._http.where  # without credentials: safe in messages
+
+    def poll(self) -> EngineContribution:
+        facts = self.reader.read()
+        if self._last is not None and self._last[0] is facts:  # unchanged: the same contribution
+            return self._last[1]
+        contribution = EngineContribution(facts)
+        self._last = (facts, contribution)
+        return contribution
+
+    def close(self) -> None:
+        self._http.abort()

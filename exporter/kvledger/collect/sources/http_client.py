@@ -1,0 +1,330 @@
+"""The one HTTP client of every source: a GET bounded in time and in size.
+
+``HttpClient(url, timeout=..., max_bytes=...).get()`` returns the body or raises
+``SourceError`` with a bounded reason:
+
+- ``connect``: no connection (refused, unreachable, reset, TLS handshake failed);
+- ``timeout``: the whole exchange (connect, status line, headers, body) did not end
+  within ``timeout`` seconds. The deadline is absolute: an engine that drips its headers
+  one byte a second cannot keep the poll waiting, because a watchdog thread shuts the
+  socket down when the deadline passes, whatever the read in progress is doing;
+- ``http_status``: an answer other than 200 (redirects are not followed: a 3xx is an
+  error naming the status, never a fetch of another address); ``fetch(if_none_match=...)``
+  also takes 304 Not Modified, the answer to a conditional GET whose ETag still holds;
+- ``too_large``: the body passed ``max_bytes`` (checked against Content-Length before
+  reading, and while streaming, so at most ``max_bytes`` plus one chunk is ever held);
+- ``parse``: not HTTP (bad status line, too many or too long header lines, truncated body).
+
+URLs are ``http://``, ``https://`` or ``unix:///absolute/path`` (HTTP/1.1 over a Unix
+socket, ``GET /``). Credentials in a URL (``http://user:pass@host``) are sent as basic
+auth and never appear in a message: ``redact_url`` removes them. Messages never quote
+the body or any header of the answer.
+"""
+
+from __future__ import annotations
+
+import base64
+import heapq
+import http.client
+import itertools
+import re
+import socket
+import ssl
+import threading
+import time
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+from kvledger.collect.memory import release_freed_memory
+from kvledger.collect.sources.base import SourceError
+
+#: default cap on a response body (engines' documents and /metrics texts); per engine
+#: ``max_response_bytes`` in the configuration overrides it
+DEFAULT_MAX_BYTES = 16 << 20
+_CHUNK = 1 << 16
+#: after a body at least this large is parsed and dropped, its source returns the
+#: freed heap memory to the OS (kvledger.collect.memory)
+LARGE_BODY = 4 << 20
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its password (``user:***@host``); unparseable text is cut short."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url[:64] + ("..." if len(url) > 64 else "")
+    if parts.password is None and "@" not in parts.netloc:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}" if user else host))
+
+
+_USERINFO = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)([^/@\s:]*):[^/@\s]*@")
+
+
+def redact_text(text: str) -> str:
+    """``text`` with the password of every URL in it replaced by ``***``."""
+    return _USERINFO.sub(r"\1\2:***@", text)
+
+
+# ---------------------------------------------------------------- the deadline watchdog
+
+
+class _Watchdog:
+    """One daemon thread that shuts down sockets whose exchange passed its deadline."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int]] = []
+        self._armed: dict[int, socket.socket] = {}
+        self._fired: set[int] = set()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, sock: socket.socket, deadline: float) -> int:
+        with self._cond:
+            token = next(self._ids)
+            self._armed[token] = sock
+            earliest = not self._heap or deadline < self._heap[0][0]
+            heapq.heappush(self._heap, (deadline, token))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvledger-http-deadlines", daemon=True)
+                self._thread.start()
+            if earliest:  # otherwise the thread wakes for an earlier deadline first, and then sees this one
+                self._cond.notify()
+            return token
+
+    def disarm(self, token: int) -> bool:
+        """Forget ``token``; True if its deadline had already fired."""
+        with self._cond:
+            self._armed.pop(token, None)
+            if token in self._fired:
+                self._fired.discard(token)
+                return True
+            return False
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                while self._heap and self._heap[0][1] not in self._armed:
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                deadline, token = self._heap[0]
+                left = deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                heapq.heappop(self._heap)
+                sock = self._armed.pop(token, None)
+                if sock is not None:
+                    self._fired.add(token)
+                    _shutdown(sock)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed or never connected
+
+
+_WATCHDOG = _Watchdog()
+
+
+# ---------------------------------------------------------------- connections
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self._path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+@dataclass(frozen=True)
+class _Target:
+    scheme: str
+    host: str
+    port: int | None
+    path: str  # the request target, or the socket path for unix://
+    authorization: str | None
+
+
+def _target(url: str) -> _Target:
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise SourceError("connect", f"{redact_url(url)}: bad URL: {exc}") from None
+    if parts.scheme == "unix":
+        if parts.netloc or not parts.path.startswith("/"):
+            raise SourceError("connect", f"{redact_url(url)}: a Unix socket URL is unix:///absolute/path")
+        return _Target("unix", "localhost", None, parts.path, None)
+    if parts.scheme not in ("http", "https"):
+        raise SourceError("connect", f"{redact_url(url)}: unsupported scheme {parts.scheme!r} (http, https or unix)")
+    if not parts.hostname:
+        raise SourceError("connect", f"{redact_url(url)}: no host in URL")
+    auth = None
+    if parts.username is not None:
+        raw = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+        auth = "Basic " + base64.b64encode(raw).decode("ascii")
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return _Target(parts.scheme, parts.hostname, port, target, auth)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A 200 answer (``body``), or a 304 to a conditional GET (empty ``body``)."""
+
+    status: int
+    body: bytes
+    etag: str | None  # the answer's ETag header, when it had one
+    content_type: str | None
+
+
+class HttpClient:
+    """GETs one URL, bounded by ``timeout`` seconds in all and ``max_bytes`` of body."""
+
+    def __init__(self, url: str, *, timeout: float, max_bytes: int = DEFAULT_MAX_BYTES, accept: str = "*/*") -> None:
+        self.url = url
+        self.where = redact_url(url)
+        self.timeout = timeout
+        self.max_bytes = max_bytes
+        self.accept = accept
+        self._target = _target(url)  # a bad URL fails here, at configuration time
+        self._lock = threading.Lock()
+        self._conn: http.client.HTTPConnection | None = None
+        self._ssl: ssl.SSLContext | None = ssl.create_default_context() if self._target.scheme == "https" else None
+
+    def _connection(self) -> http.client.HTTPConnection:
+        t = self._target
+        if t.scheme == "unix":
+            return _UnixHTTPConnection(t.path, self.timeout)
+        if t.scheme == "https":
+            return http.client.HTTPSConnection(t.host, t.port, timeout=self.timeout, context=self._ssl)
+        return http.client.HTTPConnection(t.host, t.port, timeout=self.timeout)
+
+    def abort(self) -> None:
+        """End an exchange in progress now (used when the daemon stops)."""
+        with self._lock:
+            conn = self._conn
+        if conn is not None and conn.sock is not None:
+            _shutdown(conn.sock)
+
+    def get(self) -> bytes:
+        """The body of a 200 answer; SourceError(connect|timeout|http_status|too_large|parse)."""
+        return self.fetch().body
+
+    def fetch(self, *, accept: str | None = None, if_none_match: str | None = None) -> Answer:
+        """A GET with ``accept`` in place of the client's Accept header and, when given,
+        ``If-None-Match``: a 200 answer, or a 304 (no body) when ``if_none_match`` still
+        names the document; SourceError as ``get``."""
+        deadline = time.monotonic() + self.timeout
+        conn = self._connection()
+        with self._lock:
+            self._conn = conn
+        answer = Answer(0, b"", None, None)
+        try:
+            try:
+                conn.connect()
+            except TimeoutError:
+                raise SourceError("timeout", f"{self.where}: connect timed out after {self.timeout:g}s") from None
+            except ssl.SSLError as exc:
+                raise SourceError("connect", f"{self.where}: TLS handshake failed: {exc.reason or exc}") from None
+            except OSError as exc:
+                raise SourceError("connect", f"{self.where}: cannot connect: {exc.strerror or exc}") from None
+            assert conn.sock is not None
+            token = _WATCHDOG.arm(conn.sock, deadline)
+            error: tuple[str, str] | None = None
+            try:
+                answer = self._exchange(conn, accept or self.accept, if_none_match)
+            except SourceError as exc:
+                error = (exc.reason, exc.message)
+            except TimeoutError:
+                error = ("timeout", self._late())
+            except (http.client.HTTPException, ssl.SSLError, OSError, ValueError) as exc:
+                error = _classify(exc, self.where)
+            # The watchdog shuts the socket down at the deadline: whatever the read then
+            # saw (an error, or an early end of the body), the answer came too late.
+            if _WATCHDOG.disarm(token) or (error is not None and time.monotonic() >= deadline):
+                error = ("timeout", self._late())
+            if error is not None:
+                raise SourceError(*error)
+        finally:
+            with self._lock:
+                self._conn = None
+            conn.close()
+        return answer
+
+    def get_text(self) -> str:
+        """``get()`` decoded as UTF-8; SourceError(parse) names the first bad byte."""
+        body = self.get()
+        try:
+            return body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise SourceError("parse", f"{self.where}: body is not UTF-8 (byte {exc.start})") from None
+
+    def _late(self) -> str:
+        return f"{self.where}: no complete answer within {self.timeout:g}s"
+
+    def _exchange(self, conn: http.client.HTTPConnection, accept: str, if_none_match: str | None) -> Answer:
+        headers = {"Accept": accept, "Accept-Encoding": "identity", "User-Agent": "kvledger"}
+        if self._target.authorization:
+            headers["Authorization"] = self._target.authorization
+        if if_none_match:
+            headers["If-None-Match"] = if_none_match
+        conn.request("GET", self._target.path, headers=headers)
+        resp = conn.getresponse()
+        if resp.status == 304 and if_none_match:
+            resp.read()
+            return Answer(304, b"", resp.getheader("ETag") or if_none_match, None)
+        if resp.status != 200:
+            raise SourceError("http_status", f"{self.where}: HTTP {resp.status}" + _redirect_note(resp.status))
+        length = resp.getheader("Content-Length")
+        if length is not None and length.strip().isdigit() and int(length) > self.max_bytes:
+            raise SourceError("too_large", f"{self.where}: body of {int(length)} bytes is over the limit of {self.max_bytes}")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            chunk = resp.read1(_CHUNK)
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > self.max_bytes:
+                chunks.clear()
+                release_freed_memory()
+                raise SourceError("too_large", f"{self.where}: body over the limit of {self.max_bytes} bytes")
+            chunks.append(chunk)
+        if length is not None and length.strip().isdigit() and size != int(length):
+            raise SourceError("parse", f"{self.where}: body truncated after {size} of {int(length)} bytes")
+        return Answer(200, b"".join(chunks), resp.getheader("ETag"), resp.getheader("Content-Type"))
+
+
+def _redirect_note(status: int) -> str:
+    return " (redirects are not followed: configure the final URL)" if 300 <= status < 400 else ""
+
+
+def _classify(exc: BaseException, where: str) -> tuple[str, str]:
+    if isinstance(exc, http.client.IncompleteRead):
+        return "parse", f"{where}: body truncated after {len(exc.partial)} bytes"
+    if isinstance(exc, http.client.RemoteDisconnected):
+        return "connect", f"{where}: the engine closed the connection without an answer"
+    if isinstance(exc, (http.client.LineTooLong, http.client.HTTPException)):
+        return "parse", f"{where}: not an HTTP answer ({type(exc).__name__})"
+    if isinstance(exc, ssl.SSLError):
+        return "connect", f"{where}: TLS error: {exc.reason or type(exc).__name__}"
+    if isinstance(exc, OSError):
+        return "connect", f"{where}: connection failed: {exc.strerror or type(exc).__name__}"
+    return "parse", f"{where}: bad answer ({type(exc).__name__})"

@@ -1,0 +1,69 @@
+"""Builds the sources and the config-derived base facts of each configured engine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvledger.collect.engine_kinds import KINDS
+from kvledger.collect.merge import configured_facts
+from kvledger.collect.sources.base import Source, SourceError
+from kvledger.config.model import Config, ConfigError, EngineConfig
+from kvledger.model.facts import EngineFacts
+
+
+def base_engine_facts(cfg: EngineConfig) -> EngineFacts:
+    """What the configuration alone says about an engine (the sources add the rest)."""
+    return configured_facts(cfg)
+
+
+def engine_sources(cfg: EngineConfig) -> list[Source]:
+    try:
+        return _engine_sources(cfg)
+    except SourceError as exc:  # e.g. a URL the HTTP client cannot use
+        raise ConfigError(f"engine {cfg.name!r}: {exc.message}") from None
+
+
+def _engine_sources(cfg: EngineConfig) -> list[Source]:
+    sources: list[Source] = [KINDS[cfg.kind].build(cfg)]
+    if cfg.host.port is not None:
+        from kvledger.collect.sources.host_sockets import HostSocketSource
+
+        sources.append(HostSocketSource(cfg.name, cfg.host.port))
+    if cfg.processes is not None and cfg.processes.match is not None:
+        from kvledger.collect.sources.processes import ProcessSource
+
+        sources.append(ProcessSource(cfg.name, cfg.processes))
+    return sources
+
+
+def build_sources(
+    config: Config, previous: tuple[Config, Sequence[Source]] | None = None
+) -> tuple[list[Source], dict[int, float], list[EngineFacts]]:
+    """Sources, their timeouts (by id), and the base facts of every engine. With
+    ``previous`` (a reload), an engine whose configuration is unchanged keeps its source
+    objects, and so its state; NVML too when its setting is unchanged."""
+    kept: dict[str, list[Source]] = {}
+    if previous is not None:
+        old_config, old_sources = previous
+        unchanged = {c.name for c in old_config.engines if c in config.engines}
+        for s in old_sources:
+            if s.engine in unchanged:
+                kept.setdefault(s.engine, []).append(s)
+            elif s.engine == "" and old_config.nvml == config.nvml:
+                kept.setdefault("", []).append(s)
+    sources: list[Source] = []
+    timeouts: dict[int, float] = {}
+    for cfg in config.engines:
+        for s in kept.get(cfg.name) or engine_sources(cfg):
+            sources.append(s)
+            timeouts[id(s)] = cfg.timeout_seconds
+    if config.nvml.enabled != "false":
+        if kept.get(""):
+            sources.extend(kept[""])
+        else:
+            from kvledger.collect.sources.nvml import NvmlSource
+
+            nvml = NvmlSource(config.nvml.enabled)
+            if nvml.available():  # auto without a library: no GPU figures, and no alarm
+                sources.append(nvml)
+    return sources, timeouts, [base_engine_facts(c) for c in config.engines]

@@ -1,0 +1,24 @@
+"""The ``kind: triton-trtllm`` source: GET ``cfg.url`` (Triton's /metrics) through the HTTP client and map
+it with ``triton_trtllm_facts``; every failure is a SourceError with its reason."""
+
+from __future__ import annotations
+
+from kvledger.collect.sources.base import EngineContribution, Source
+from kvledger.collect.sources.http_client import HttpClient
+from kvledger.collect.sources.triton_trtllm.metrics import triton_trtllm_facts
+from kvledger.config.model import EngineConfig
+
+
+class TritonTrtllmSource(Source):
+    kind = "triton-trtllm"
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg, self.engine = cfg, cfg.name
+        self._http = HttpClient(cfg.url, timeout=cfg.timeout_seconds, max_bytes=cfg.max_response_bytes,
+                                accept="text/plain;version=0.0.4")
+
+    def poll(self) -> EngineContribution:
+        return EngineContribution(triton_trtllm_facts(self._http.get_text(), self.cfg))
+
+    def close(self) -> None:
+        self._http.abort()

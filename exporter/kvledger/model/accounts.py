@@ -1,0 +1,113 @@
+"""The Accounts: what the policy concludes per pool, tenant, engine and GPU (numbers, no formulas)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvledger.model.facts import (
+    EngineFacts,
+    GpuFacts,
+    HostFacts,
+    SourceHealth,
+)
+from kvledger.model.measure import Measure, scaled
+
+
+@dataclass(frozen=True, slots=True)
+class Physical:
+    """Physical state of one pool in blocks (unique blocks)."""
+
+    in_use: Measure | None
+    reclaimable: Measure | None
+    allocated: Measure | None
+    free: Measure | None
+    references: int | None
+    shared: int | None
+    # set when derived from block_refs
+    derived: bool = False
+
+
+@dataclass(slots=True)
+class PoolAccount:
+    engine: str
+    pool: str
+    block_size: int
+    capacity_blocks: int
+    capacity_bytes: int | None
+    token_capacity: int
+    block_bytes: int | None
+    physical: Physical
+    reserved_blocks: Measure | None = None
+    pending_growth_blocks: dict[str, int] = field(default_factory=dict)  # by output bound
+    resident_tokens: Measure | None = None
+    quota_headroom_blocks: Measure | None = None
+    physical_headroom_blocks: Measure | None = None
+    admission_headroom_requests: Measure | None = None
+    engine_reported_used_blocks: float | None = None
+    # in_use / capacity and reserved / capacity: one basis-consistent usage gauge per kind
+    physical_utilization: Measure | None = None
+    quota_utilization: Measure | None = None
+
+    def bytes_of(self, blocks: Measure | None) -> Measure | None:
+        return scaled(blocks, self.block_bytes)
+
+
+@dataclass(slots=True)
+class TenantAccount:
+    engine: str
+    tenant: str
+    quota_bytes: int | None
+    reserved_blocks: int = 0
+    reserved_bytes: int | None = None
+    requests: dict[str, int] = field(default_factory=dict)  # by state
+
+
+@dataclass(slots=True)
+class EngineAccount:
+    facts: EngineFacts
+    sharing: str
+    pools: list[PoolAccount]
+    requests: dict[str, int | None]  # by state
+    extra_context_slots: dict[str, int]  # speculative, branch
+    tenants: list[TenantAccount]
+    invariant_violations: list[str]  # checks violated in this snapshot
+
+    @property
+    def name(self) -> str:
+        return self.facts.name
+
+    @property
+    def host(self) -> HostFacts:
+        return self.facts.host
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetTerm:
+    gpu: int
+    engine: str
+    category: str
+    source: str
+    bytes: int
+
+
+@dataclass(slots=True)
+class GpuAccount:
+    facts: GpuFacts
+    process_bytes: dict[str, int]  # by engine
+    unaccounted: Measure | None
+    budget_slack: int | None = None  # total - all budget terms incl. reserve; < 0: the budget does not close
+
+
+@dataclass(slots=True)
+class Accounts:
+    engines: list[EngineAccount]
+    gpus: list[GpuAccount]
+    budget: list[BudgetTerm]
+    driver_version: str | None
+    health: list[SourceHealth]
+    sharing: str
+    taken_at: float
+    # cumulative observations of violated invariants, kept by the collector
+    invariant_totals: dict[tuple[str, str], int] = field(default_factory=dict)
+    # cumulative label values shortened or dropped by the limits, (engine, label, action)
+    labels_limited: dict[tuple[str, str, str], int] = field(default_factory=dict)

@@ -1,0 +1,1 @@
+"""What the Accounts become: the metric catalogue, the Prometheus exposition, OTLP and the JSON view."""

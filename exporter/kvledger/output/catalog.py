@@ -1,0 +1,451 @@
+"""The metric catalogue: every exported family defined once (name, type, unit, help,
+labels) together with how its samples are read from the Accounts.
+
+The Prometheus collector, the OTLP output, the README's metric reference, the
+dashboards and the alert lint all read this list; nothing else names a metric.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+from kvledger import __version__
+from kvledger.model.accounts import Accounts, EngineAccount, PoolAccount
+from kvledger.model.measure import Measure
+
+Sample = tuple[tuple[str, ...], float]
+Extract = Callable[[Accounts], Iterable[Sample]]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    type: Literal["gauge", "counter"]
+    unit: str  # bytes, blocks, tokens, requests, seconds, ratio, "" (a count or info)
+    group: str  # kv, scheduler, tenant, gpu, host, info, health
+    labels: tuple[str, ...]
+    help: str
+    samples: Extract
+
+
+# ---------------------------------------------------------------- sample helpers
+
+
+def _pools(a: Accounts) -> Iterator[tuple[EngineAccount, PoolAccount]]:
+    for e in a.engines:
+        for p in e.pools:
+            yield e, p
+
+
+def _pool_value(get: Callable[[PoolAccount], float | None]) -> Extract:
+    def extract(a: Accounts) -> Iterator[Sample]:
+        for e, p in _pools(a):
+            v = get(p)
+            if v is not None:
+                yield (e.name, p.pool), float(v)
+
+    return extract
+
+
+def _pool_measure(get: Callable[[PoolAccount], Measure | None]) -> Extract:
+    def extract(a: Accounts) -> Iterator[Sample]:
+        for e, p in _pools(a):
+            m = get(p)
+            if m is not None:
+                for basis, v in m.series():
+                    yield (e.name, p.pool, basis), float(v)
+
+    return extract
+
+
+def _engine_value(get: Callable[[EngineAccount], float | None]) -> Extract:
+    def extract(a: Accounts) -> Iterator[Sample]:
+        for e in a.engines:
+            v = get(e)
+            if v is not None:
+                yield (e.name,), float(v)
+
+    return extract
+
+
+def _counter(name: str) -> Extract:
+    return _engine_value(lambda e: e.facts.counters.get(name))
+
+
+def _kv_blocks(a: Accounts) -> Iterator[Sample]:
+    for e, p in _pools(a):
+        phys = p.physical
+        for state, m in (("in_use", phys.in_use), ("reclaimable", phys.reclaimable), ("free", phys.free)):
+            if m is not None and m.exact is not None:
+                yield (e.name, p.pool, state), float(m.exact)
+
+
+def _headroom(a: Accounts) -> Iterator[Sample]:
+    for e, p in _pools(a):
+        for kind, m in (("quota", p.quota_headroom_blocks), ("physical", p.physical_headroom_blocks)):
+            mb = p.bytes_of(m)
+            if mb is not None:
+                for basis, v in mb.series():
+                    yield (e.name, p.pool, kind, basis), float(v)
+
+
+def _utilization(a: Accounts) -> Iterator[Sample]:
+    for e, p in _pools(a):
+        for kind, m in (("physical", p.physical_utilization), ("quota", p.quota_utilization)):
+            if m is not None:
+                for basis, v in m.series():
+                    yield (e.name, p.pool, kind, basis), float(v)
+
+
+def _pending(a: Accounts) -> Iterator[Sample]:
+    for e, p in _pools(a):
+        if p.block_bytes is None:
+            continue
+        for bound, blocks in sorted(p.pending_growth_blocks.items()):
+            yield (e.name, p.pool, bound), float(blocks * p.block_bytes)
+
+
+def _admission_headroom(a: Accounts) -> Iterator[Sample]:
+    for e, p in _pools(a):
+        if p.admission_headroom_requests is not None:
+            for basis, v in p.admission_headroom_requests.series():
+                yield (e.name, p.pool, basis), float(v)
+
+
+def _requests(a: Accounts) -> Iterator[Sample]:
+    for e in a.engines:
+        for state, n in e.requests.items():
+            if n is not None:
+                yield (e.name, state), float(n)
+
+
+def _slots(a: Accounts) -> Iterator[Sample]:
+    for e in a.engines:
+        for kind, n in sorted(e.extra_context_slots.items()):
+            yield (e.name, kind), float(n)
+
+
+def _rechecks(a: Accounts) -> Iterator[Sample]:
+    for e in a.engines:
+        for result in ("accepted", "rejected"):
+            v = e.facts.counters.get(f"admission_rechecks_{result}")
+            if v is not None:
+                yield (e.name, result), float(v)
+
+
+def _tenants(get: Callable[..., float | None]) -> Extract:
+    def extract(a: Accounts) -> Iterator[Sample]:
+        for e in a.engines:
+            for t in e.tenants:
+                v = get(t)
+                if v is not None:
+                    yield (e.name, t.tenant), float(v)
+
+    return extract
+
+
+def _tenant_requests(a: Accounts) -> Iterator[Sample]:
+    for e in a.engines:
+        for t in e.tenants:
+            for state, n in sorted(t.requests.items()):
+                yield (e.name, t.tenant, state), float(n)
+
+
+def _gpu_value(get: Callable[..., float | None], only_up: bool = True) -> Extract:
+    def extract(a: Accounts) -> Iterator[Sample]:
+        for g in a.gpus:
+            if only_up and not g.facts.up:
+                continue
+            v = get(g.facts)
+            if v is not None:
+                yield (str(g.facts.index),), float(v)
+
+    return extract
+
+
+def _gpu_info(a: Accounts) -> Iterator[Sample]:
+    for g in a.gpus:
+        f = g.facts
+        yield (str(f.index), f.uuid or "", f.name or "", a.driver_version or "", "true" if f.mig else "false"), 1.0
+
+
+def _gpu_process(a: Accounts) -> Iterator[Sample]:
+    for g in a.gpus:
+        for engine, b in sorted(g.process_bytes.items()):
+            yield (str(g.facts.index), engine), float(b)
+
+
+def _budget(a: Accounts) -> Iterator[Sample]:
+    for t in a.budget:
+        yield (str(t.gpu), t.engine, t.category, t.source), float(t.bytes)
+
+
+def _gpu_slack(a: Accounts) -> Iterator[Sample]:
+    for g in a.gpus:
+        if g.budget_slack is not None:
+            yield (str(g.facts.index),), float(g.budget_slack)
+
+
+def _unaccounted(a: Accounts) -> Iterator[Sample]:
+    for g in a.gpus:
+        if g.unaccounted is not None:
+            for basis, v in g.unaccounted.series():
+                yield (str(g.facts.index), basis), float(v)
+
+
+def _host_limit(attr: str) -> Extract:
+    def extract(a: Accounts) -> Iterator[Sample]:
+        for e in a.engines:
+            lim = getattr(e.host, attr)
+            if lim is not None:
+                yield (e.name, lim.kind), float(lim.value)
+
+    return extract
+
+
+def _socket_queue(a: Accounts) -> Iterator[Sample]:
+    for e in a.engines:
+        for direction, v in (("send", e.host.socket_send_queue_bytes), ("receive", e.host.socket_receive_queue_bytes)):
+            if v is not None:
+                yield (e.name, direction), float(v)
+
+
+def _reported_memory(a: Accounts) -> Iterator[Sample]:
+    for e in a.engines:
+        for memory_type, b in sorted(e.facts.reported_memory.items()):
+            yield (e.name, memory_type), float(b)
+
+
+def _policy_info(a: Accounts) -> Iterator[Sample]:
+    for e in a.engines:
+        f = e.facts
+        yield (e.name, e.sharing, f.admission or "unknown", f.overflow or "unknown", "per-request"), 1.0
+
+
+def _engine_info(a: Accounts) -> Iterator[Sample]:
+    for e in a.engines:
+        f = e.facts
+        yield (e.name, f.kind, f.version or "", f.source), 1.0
+
+
+def _health(get: Callable[..., float | None]) -> Extract:
+    def extract(a: Accounts) -> Iterator[Sample]:
+        for h in a.health:
+            v = get(h)
+            if v is not None:
+                yield (h.engine, h.source), float(v)
+
+    return extract
+
+
+def _source_errors(a: Accounts) -> Iterator[Sample]:
+    for h in a.health:
+        for reason, n in sorted(h.errors.items()):
+            yield (h.engine, h.source, reason), float(n)
+
+
+def _kv_events(a: Accounts) -> Iterator[Sample]:
+    for e in a.engines:
+        for kind, n in sorted(e.facts.kv_events.items()):
+            yield (e.name, kind), float(n)
+
+
+def _invariants(a: Accounts) -> Iterator[Sample]:
+    for (engine, check), n in sorted(a.invariant_totals.items()):
+        yield (engine, check), float(n)
+
+
+def _labels_limited(a: Accounts) -> Iterator[Sample]:
+    for (engine, label, action), n in sorted(a.labels_limited.items()):
+        yield (engine, label, action), float(n)
+
+
+def _build_info(a: Accounts) -> Iterator[Sample]:
+    yield (__version__,), 1.0
+
+
+# ---------------------------------------------------------------- the catalogue
+
+EP = ("engine", "pool")
+EPB = ("engine", "pool", "basis")
+
+CATALOG: tuple[MetricSpec, ...] = (
+    # KV pool
+    MetricSpec("kvledger_kv_capacity_bytes", "gauge", "bytes", "kv", EP,
+               "KV pool capacity in bytes (blocks x bytes per block, all layers and TP ranks).",
+               _pool_value(lambda p: p.capacity_bytes)),
+    MetricSpec("kvledger_kv_capacity_blocks", "gauge", "blocks", "kv", EP,
+               "KV pool capacity in blocks.", _pool_value(lambda p: p.capacity_blocks)),
+    MetricSpec("kvledger_kv_block_size_tokens", "gauge", "tokens", "kv", EP,
+               "Tokens per KV block.", _pool_value(lambda p: p.block_size)),
+    MetricSpec("kvledger_kv_reserved_bytes", "gauge", "bytes", "kv", EPB,
+               "KV bytes claimed by admitted requests (running and preempted) under the declared sharing rule; "
+               "basis says whether exact or a hard bound.",
+               _pool_measure(lambda p: p.bytes_of(p.reserved_blocks))),
+    MetricSpec("kvledger_kv_reserved_blocks", "gauge", "blocks", "kv", EPB,
+               "KV blocks claimed by admitted requests under the declared sharing rule.",
+               _pool_measure(lambda p: p.reserved_blocks)),
+    MetricSpec("kvledger_kv_pending_growth_bytes", "gauge", "bytes", "kv", ("engine", "pool", "output_bound"),
+               "Growth admitted requests may still create (reservation minus held), by the kind of output bound "
+               "it rests on: cap (enforced max_tokens) or estimate (can be exceeded).", _pending),
+    MetricSpec("kvledger_kv_allocated_bytes", "gauge", "bytes", "kv", EPB,
+               "KV bytes physically holding data: in-use plus reclaimable unique blocks.",
+               _pool_measure(lambda p: p.bytes_of(p.physical.allocated))),
+    MetricSpec("kvledger_kv_in_use_bytes", "gauge", "bytes", "kv", EPB,
+               "KV bytes of unique blocks referenced by at least one request.",
+               _pool_measure(lambda p: p.bytes_of(p.physical.in_use))),
+    MetricSpec("kvledger_kv_reclaimable_bytes", "gauge", "bytes", "kv", EPB,
+               "KV bytes of cached blocks no request references (evictable; a later hit would recompute them).",
+               _pool_measure(lambda p: p.bytes_of(p.physical.reclaimable))),
+    MetricSpec("kvledger_kv_free_bytes", "gauge", "bytes", "kv", EPB,
+               "KV bytes holding no data (capacity minus allocated).",
+               _pool_measure(lambda p: p.bytes_of(p.physical.free))),
+    MetricSpec("kvledger_kv_blocks", "gauge", "blocks", "kv", ("engine", "pool", "state"),
+               "Unique KV blocks by state (in_use, reclaimable, free): a partition of capacity; a state is "
+               "present only when known exactly.", _kv_blocks),
+    MetricSpec("kvledger_kv_block_references", "gauge", "blocks", "kv", EP,
+               "Sum of block reference counts (the per-request view of in-use blocks).",
+               _pool_value(lambda p: p.physical.references)),
+    MetricSpec("kvledger_kv_shared_blocks", "gauge", "blocks", "kv", EP,
+               "Unique blocks referenced by more than one request (shared prefixes).",
+               _pool_value(lambda p: p.physical.shared)),
+    MetricSpec("kvledger_kv_headroom_bytes", "gauge", "bytes", "kv", ("engine", "pool", "kind", "basis"),
+               "Headroom: kind=quota is capacity minus reserved (negative = overcommit); kind=physical is free "
+               "plus reclaimable. Different numbers, never one.", _headroom),
+    MetricSpec("kvledger_kv_utilization_ratio", "gauge", "ratio", "kv", ("engine", "pool", "kind", "basis"),
+               "Share of the pool's capacity: kind=physical is in-use blocks / capacity (reclaimable blocks count "
+               "as available), kind=quota is reserved / capacity (above 1: overcommit). The same meaning for every "
+               "engine kind: the gauge a router should read instead of each engine's own usage gauge.", _utilization),
+    MetricSpec("kvledger_kv_resident_tokens", "gauge", "tokens", "kv", EPB,
+               "Tokens resident in the KV cache for running requests under the declared sharing rule.",
+               _pool_measure(lambda p: p.resident_tokens)),
+    MetricSpec("kvledger_kv_token_capacity", "gauge", "tokens", "kv", EP,
+               "Tokens the pool can hold (blocks per layer group x block size).",
+               _pool_value(lambda p: p.token_capacity)),
+    MetricSpec("kvledger_engine_reported_kv_used_blocks", "gauge", "blocks", "kv", EP,
+               "The engine's own claim of used KV blocks, for consistency checks against unique in-use blocks.",
+               _pool_value(lambda p: p.engine_reported_used_blocks)),
+    # Scheduler
+    MetricSpec("kvledger_requests", "gauge", "requests", "scheduler", ("engine", "state"),
+               "Requests by state: running, waiting (not admitted), preempted (admitted, holding a reservation).",
+               _requests),
+    MetricSpec("kvledger_iteration_token_budget", "gauge", "tokens", "scheduler", ("engine",),
+               "Per-iteration token budget (max_num_batched_tokens): tokens computed per step, not resident.",
+               _engine_value(lambda e: e.facts.budgets.max_num_batched_tokens)),
+    MetricSpec("kvledger_iteration_tokens", "gauge", "tokens", "scheduler", ("engine",),
+               "Tokens scheduled in the latest iteration.", _engine_value(lambda e: e.facts.budgets.iteration_tokens)),
+    MetricSpec("kvledger_max_running_requests", "gauge", "requests", "scheduler", ("engine",),
+               "Maximum concurrently running requests (max_num_seqs).",
+               _engine_value(lambda e: e.facts.budgets.max_num_seqs)),
+    MetricSpec("kvledger_max_model_len_tokens", "gauge", "tokens", "scheduler", ("engine",),
+               "Maximum context length per request (max_model_len).",
+               _engine_value(lambda e: e.facts.budgets.max_model_len)),
+    MetricSpec("kvledger_admission_headroom_requests", "gauge", "requests", "scheduler", EPB,
+               "More requests of the largest supported shape that fit under the quota and the work budget.",
+               _admission_headroom),
+    MetricSpec("kvledger_extra_context_slots", "gauge", "", "scheduler", ("engine", "kind"),
+               "Extra contexts of running requests: speculative lookahead slots and extra branches (n-1).", _slots),
+    MetricSpec("kvledger_preemptions_total", "counter", "", "scheduler", ("engine",),
+               "Preemptions reported by the engine.", _counter("preemptions")),
+    MetricSpec("kvledger_reservation_overflows_total", "counter", "", "scheduler", ("engine",),
+               "Requests whose output exceeded an estimated bound.", _counter("reservation_overflows")),
+    MetricSpec("kvledger_admission_rechecks_total", "counter", "", "scheduler", ("engine", "result"),
+               "Admission re-checks after a request raised its bound, by result.", _rechecks),
+    MetricSpec("kvledger_prefix_cache_queried_tokens_total", "counter", "tokens", "scheduler", ("engine",),
+               "Prompt tokens looked up in the prefix cache at admission.",
+               _counter("prefix_cache_queried_tokens")),
+    MetricSpec("kvledger_prefix_cache_hit_tokens_total", "counter", "tokens", "scheduler", ("engine",),
+               "Prompt tokens found in the prefix cache (not recomputed).", _counter("prefix_cache_hit_tokens")),
+    MetricSpec("kvledger_kv_host_offloaded_tokens_total", "counter", "tokens", "scheduler", ("engine",),
+               "Tokens the engine moved from its GPU KV pool to a host (CPU) tier (SGLang HiCache evictions); "
+               "kept there for a later load back, not lost.", _counter("host_offloaded_tokens")),
+    MetricSpec("kvledger_kv_host_loaded_tokens_total", "counter", "tokens", "scheduler", ("engine",),
+               "Tokens the engine loaded back from a host (CPU) tier into its GPU KV pool instead of recomputing them.",
+               _counter("host_loaded_tokens")),
+    MetricSpec("kvledger_reservation_leaks_total", "counter", "", "scheduler", ("engine",),
+               "Reservations found with no live request.", _counter("reservation_leaks")),
+    # Tenants
+    MetricSpec("kvledger_tenant_reserved_bytes", "gauge", "bytes", "tenant", ("engine", "tenant"),
+               "KV bytes claimed by a tenant's admitted requests, per-request rule (what a quota must cover).",
+               _tenants(lambda t: t.reserved_bytes)),
+    MetricSpec("kvledger_tenant_quota_bytes", "gauge", "bytes", "tenant", ("engine", "tenant"),
+               "A tenant's configured KV quota.", _tenants(lambda t: t.quota_bytes)),
+    MetricSpec("kvledger_tenant_requests", "gauge", "requests", "tenant", ("engine", "tenant", "state"),
+               "A tenant's requests by state.", _tenant_requests),
+    # GPU
+    MetricSpec("kvledger_gpu_memory_total_bytes", "gauge", "bytes", "gpu", ("gpu",),
+               "Device memory total (NVML).", _gpu_value(lambda g: g.total_bytes)),
+    MetricSpec("kvledger_gpu_memory_used_bytes", "gauge", "bytes", "gpu", ("gpu",),
+               "Device memory used (NVML; v2 excludes driver-reserved memory).", _gpu_value(lambda g: g.used_bytes)),
+    MetricSpec("kvledger_gpu_memory_free_bytes", "gauge", "bytes", "gpu", ("gpu",),
+               "Device memory free (NVML).", _gpu_value(lambda g: g.free_bytes)),
+    MetricSpec("kvledger_gpu_memory_driver_reserved_bytes", "gauge", "bytes", "gpu", ("gpu",),
+               "Device memory reserved by the driver and firmware (NVML memory v2).",
+               _gpu_value(lambda g: g.driver_reserved_bytes)),
+    MetricSpec("kvledger_gpu_up", "gauge", "", "gpu", ("gpu",),
+               "1 when the GPU answers NVML, 0 when it is lost or failing.",
+               _gpu_value(lambda g: 1.0 if g.up else 0.0, only_up=False)),
+    MetricSpec("kvledger_gpu_info", "gauge", "", "gpu", ("gpu", "uuid", "name", "driver_version", "mig"),
+               "GPU identity (value 1).", _gpu_info),
+    MetricSpec("kvledger_gpu_process_memory_bytes", "gauge", "bytes", "gpu", ("gpu", "engine"),
+               "Device memory held by an engine's processes (NVML per-process figures).", _gpu_process),
+    MetricSpec("kvledger_gpu_budget_bytes", "gauge", "bytes", "gpu", ("gpu", "engine", "category", "source"),
+               "Declared device budget terms: weights, workspace, runtime_buffers, reserve (headroom, not an "
+               "allocation) and kv_pool, with where each figure comes from.", _budget),
+    MetricSpec("kvledger_gpu_budget_slack_bytes", "gauge", "bytes", "gpu", ("gpu",),
+               "Device total minus every declared budget term including the reserve: the budget inequality "
+               "weights + workspace + runtime_buffers + reserve + kv_pool <= total holds when >= 0.",
+               _gpu_slack),
+    MetricSpec("kvledger_gpu_memory_unaccounted_bytes", "gauge", "bytes", "gpu", ("gpu", "basis"),
+               "NVML used minus the allocations the engines on the GPU declared (weights, workspace, runtime "
+               "buffers, KV pool).", _unaccounted),
+    MetricSpec("kvledger_engine_reported_memory_bytes", "gauge", "bytes", "gpu", ("engine", "memory_type"),
+               "Memory an engine's runtime reports holding, by memory_type (gpu, cpu, pinned), as the engine counts "
+               "it (TensorRT-LLM's runtime memory counters): shown beside the device budget, never added to it.",
+               _reported_memory),
+    # Host
+    MetricSpec("kvledger_host_buffer_bytes", "gauge", "bytes", "host", ("engine",),
+               "Host output buffer bytes held by the engine.", _engine_value(lambda e: e.host.output_buffer_bytes)),
+    MetricSpec("kvledger_host_buffer_limit_bytes", "gauge", "bytes", "host", ("engine", "kind"),
+               "Limit of the host output buffer; kind says hard cap or estimate.", _host_limit("output_buffer_limit")),
+    MetricSpec("kvledger_network_queue_depth", "gauge", "", "host", ("engine",),
+               "Application network queue depth (responses waiting to be sent).",
+               _engine_value(lambda e: e.host.network_queue_depth)),
+    MetricSpec("kvledger_network_queue_limit", "gauge", "", "host", ("engine", "kind"),
+               "Limit of the application network queue; kind says hard cap or estimate.",
+               _host_limit("network_queue_limit")),
+    MetricSpec("kvledger_network_socket_queue_bytes", "gauge", "bytes", "host", ("engine", "direction"),
+               "Kernel socket queue bytes of the engine's serving port (/proc/net/tcp and tcp6).", _socket_queue),
+    # Info and health
+    MetricSpec("kvledger_policy_info", "gauge", "", "info",
+               ("engine", "sharing", "admission", "overflow", "tenant_rule"),
+               "The declared accounting policy (value 1): sharing rule, the engine's admission behaviour and "
+               "overflow handling; tenant figures always use the per-request rule.", _policy_info),
+    MetricSpec("kvledger_engine_info", "gauge", "", "info", ("engine", "kind", "version", "source"),
+               "Engine identity (value 1).", _engine_info),
+    MetricSpec("kvledger_build_info", "gauge", "", "info", ("version",),
+               "kvledger build (value 1).", _build_info),
+    MetricSpec("kvledger_source_up", "gauge", "", "health", ("engine", "source"),
+               "1 when the source's latest poll succeeded.", _health(lambda h: 1.0 if h.up else 0.0)),
+    MetricSpec("kvledger_source_last_success_timestamp_seconds", "gauge", "seconds", "health", ("engine", "source"),
+               "Unix time of the source's latest successful poll (an engine's facts also accounted and rendered).",
+               _health(lambda h: h.last_success)),
+    MetricSpec("kvledger_source_duration_seconds", "gauge", "seconds", "health", ("engine", "source"),
+               "Duration of the source's latest completed poll.", _health(lambda h: h.duration_seconds)),
+    MetricSpec("kvledger_source_errors_total", "counter", "", "health", ("engine", "source", "reason"),
+               "Failed polls by reason.", _source_errors),
+    MetricSpec("kvledger_kv_events_total", "counter", "", "health", ("engine", "type"),
+               "KV cache events received, by type.", _kv_events),
+    MetricSpec("kvledger_kv_events_lost_total", "counter", "", "health", ("engine",),
+               "KV cache event batches lost (sequence gaps not replayed).",
+               _engine_value(lambda e: e.facts.kv_events_lost)),
+    MetricSpec("kvledger_ledger_invariant_violations_total", "counter", "", "health", ("engine", "check"),
+               "Polls whose facts violated an accounting invariant, by check.", _invariants),
+    MetricSpec("kvledger_label_values_limited_total", "counter", "", "health", ("engine", "label", "action"),
+               "Label values from engine data shortened (too long) or dropped (over the per-engine limit), "
+               "counted once per poll that carried them.", _labels_limited),
+)
+
+BY_NAME: dict[str, MetricSpec] = {m.name: m for m in CATALOG}

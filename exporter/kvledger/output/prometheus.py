@@ -1,0 +1,126 @@
+"""Prometheus output: metric families built from the latest Accounts at each scrape,
+straight from the catalogue (no global gauges are mutated).
+
+Two renderings of the same families:
+- ``AccountsCollector``: a prometheus_client custom collector (registries, OpenMetrics);
+- ``render_text``: the text exposition format 0.0.4 written directly from the catalogue.
+  prometheus_client 0.2x spends ~14 µs per sample validating and escaping names that
+  the catalogue already guarantees; at 10,000 in-flight requests over 8 engines that is
+  over the scrape budget, so /metrics uses this renderer (tests check that both
+  renderings parse to the same samples).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from kvledger.model.accounts import Accounts
+from kvledger.output.catalog import CATALOG, MetricSpec
+
+log = logging.getLogger("kvledger.output")
+
+TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def build_family(spec: MetricSpec, accounts: Accounts | None) -> Metric:
+    family: GaugeMetricFamily | CounterMetricFamily
+    if spec.type == "counter":
+        family = CounterMetricFamily(spec.name, spec.help, labels=spec.labels)
+    else:
+        family = GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
+    if accounts is not None:
+        for labels, value in spec.samples(accounts):
+            family.add_metric(labels, value)
+    return family
+
+
+class AccountsCollector(Collector):
+    """Reads the latest Accounts through ``latest`` (never waits on an engine)."""
+
+    def __init__(self, latest: Callable[[], Accounts | None]) -> None:
+        self._latest = latest
+
+    def collect(self) -> Iterator[Metric]:
+        accounts = self._latest()
+        for spec in CATALOG:
+            yield build_family(spec, accounts)
+
+
+def make_registry(latest: Callable[[], Accounts | None], process_metrics: bool = True) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(AccountsCollector(latest))
+    if process_metrics:
+        ProcessCollector(registry=registry)
+    return registry
+
+
+# ---------------------------------------------------------------- direct text rendering
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _escape_value(text: str) -> str:
+    if "\\" in text or '"' in text or "\n" in text:
+        return text.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    return text
+
+
+def _number(value: float) -> str:
+    if value == math.inf:
+        return "+Inf"
+    if value == -math.inf:
+        return "-Inf"
+    if math.isnan(value):
+        return "NaN"
+    return repr(float(value))
+
+
+_HEADERS = {
+    spec.name: f"# HELP {spec.name} {_escape_help(spec.help)}\n# TYPE {spec.name} {spec.type}\n" for spec in CATALOG
+}
+
+
+def render_text(accounts: Accounts | None, process_registry: CollectorRegistry | None = None) -> bytes:
+    """The catalogue's families in the text exposition format 0.0.4.
+
+    The collector only publishes Accounts it has rendered engine by engine
+    (``collector.check_renderable``); should a family still fail, it is left empty and
+    logged rather than failing the whole scrape."""
+    out: list[str] = []
+    for spec in CATALOG:
+        out.append(_HEADERS[spec.name])
+        if accounts is None:
+            continue
+        names = spec.labels
+        lines: list[str] = []
+        try:
+            for labels, value in spec.samples(accounts):
+                if names:
+                    pairs = ",".join(f'{n}="{_escape_value(v)}"' for n, v in zip(names, labels, strict=True))
+                    lines.append(f"{spec.name}{{{pairs}}} {_number(value)}\n")
+                else:
+                    lines.append(f"{spec.name} {_number(value)}\n")
+        except Exception:  # a bug of ours: lose one family, never the scrape
+            log.exception("rendering %s failed; the family is left empty", spec.name)
+            continue
+        out.extend(lines)
+    body = "".join(out).encode("utf-8", "backslashreplace")
+    if process_registry is not None:
+        body += generate_latest(process_registry)
+    return body
+
+
+def process_registry() -> CollectorRegistry:
+    """The exporter's own process metrics (RSS, CPU), rendered after the catalogue."""
+    registry = CollectorRegistry(auto_describe=False)
+    ProcessCollector(registry=registry)
+    return registry

@@ -1,0 +1,29 @@
+"""Arithmetic the formulas share: ceiling division, ratios of a capacity, sums of optional values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvledger.model.measure import Measure
+
+ADMITTED_STATES = frozenset(("running", "preempted"))
+
+
+def ceil_div(a: Any, b: int) -> Any:
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------- measures
+
+
+def ratio_of_capacity(blocks: Measure | None, capacity: int) -> Measure | None:
+    """blocks / C, bounds kept on their sides (physical: in_use / C, the share of the pool
+    requests hold, reclaimable blocks counting as available; quota: reserved / C, above 1
+    when admitted requests may claim more than the pool)."""
+    if blocks is None:
+        return None
+    return Measure(*(None if v is None else v / capacity for v in (blocks.exact, blocks.lower, blocks.upper)))
+
+
+def _add(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a + b

@@ -1,0 +1,1 @@
+"""The kvledger/v1 wire format: its JSON schema and its decoder."""

@@ -1,0 +1,1 @@
+"""Commands beside the daemon: the planner (kvledger plan), the cache lab and the docs generator."""

@@ -1,0 +1,1 @@
+"""The HTTP server: connections, endpoints, the exporter-toolkit web config (TLS, basic auth) and the pages."""

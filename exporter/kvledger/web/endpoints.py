@@ -1,0 +1,149 @@
+"""What each URL answers: /metrics, /-/healthy, /-/ready, /api/v1/accounts, the ledger page
+at / (with its data at /ui/ledger.json) and the cache lab at /lab (kvledger.web.pages).
+
+/metrics is served from memory (``MetricsBody``): the body is rendered at most once per new
+Accounts, by the first scrape after an accounting cycle, and its gzip form at most once
+too, by the first scrape that accepts gzip (Prometheus does); every other scrape until the
+next cycle writes the bytes already made. The exporter's own process figures (CPU, RSS)
+are read with that render, so they are as old as the Accounts they come with (at most one
+poll interval).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import threading
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from prometheus_client import CollectorRegistry
+
+from kvledger.collect.collector import Collector
+from kvledger.model.accounts import Accounts
+from kvledger.output.json_view import accounts_to_json
+from kvledger.output.prometheus import TEXT_CONTENT_TYPE, render_text
+from kvledger.web.connection import Request, Response
+from kvledger.web.pages import accounts_header, json_response, lab_response, ledger_document, page, static_response
+
+TEXT = "text/plain; charset=utf-8"
+_TEXT_HEADERS = (("Content-Type", TEXT_CONTENT_TYPE), ("Vary", "Accept-Encoding"))
+_GZIP_HEADERS = (*_TEXT_HEADERS, ("Content-Encoding", "gzip"))
+
+
+class MetricsBody:
+    """The /metrics body of the latest Accounts, rendered once and kept (with its gzip form)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._accounts: Accounts | None = None
+        self._rendered = False
+        self._body = b""
+        self._gzip: bytes | None = None
+        self.renders = 0  # bodies rendered (at most one per Accounts)
+        self.compressions = 0  # gzip forms made (at most one per body)
+        self.served = 0  # /metrics answers
+        self.served_gzip = 0  # of which gzip
+
+    def get(self, accounts: Accounts | None, process_registry: CollectorRegistry | None, gzipped: bool) -> bytes:
+        """The body for ``accounts`` (gzip-compressed when ``gzipped``), made once per Accounts."""
+        with self._lock:  # concurrent scrapes after a cycle: one renders, the others wait for its bytes
+            if not self._rendered or accounts is not self._accounts:
+                self._body = render_text(accounts, process_registry)
+                self._accounts, self._rendered, self._gzip = accounts, True, None
+                self.renders += 1
+            self.served += 1
+            if not gzipped:
+                return self._body
+            if self._gzip is None:
+                self._gzip = gzip.compress(self._body, compresslevel=1, mtime=0)
+                self.compressions += 1
+            self.served_gzip += 1
+            return self._gzip
+
+
+    def ready(self, accounts: Accounts | None, gzipped: bool) -> bytes | None:
+        """The bytes already made for ``accounts`` (None when a render or a compression is
+        due, or another scrape is making them): never waits, for the event loop."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            if not self._rendered or accounts is not self._accounts or (gzipped and self._gzip is None):
+                return None
+            self.served += 1
+            if gzipped:
+                self.served_gzip += 1
+                assert self._gzip is not None
+                return self._gzip
+            return self._body
+        finally:
+            self._lock.release()
+
+
+def accepts_gzip(header: str) -> bool:
+    """Whether an Accept-Encoding header accepts gzip (not refused with q=0)."""
+    for part in header.split(","):
+        coding, *params = (p.strip() for p in part.split(";"))
+        if coding.lower() in ("gzip", "x-gzip"):
+            return not any(p.replace(" ", "") in ("q=0", "q=0.0", "q=0.00", "q=0.000") for p in params)
+    return False
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    collector: Collector
+    process_registry: CollectorRegistry | None
+    json_view: bool
+    metrics: MetricsBody = field(default_factory=MetricsBody)
+
+    def from_memory(self, request: Request) -> Response | None:
+        """A /metrics answer when its bytes are already made (a buffer write, no thread),
+        else None: ``respond`` then renders it in a worker thread."""
+        if request.method not in ("GET", "HEAD") or urlsplit(request.target).path != "/metrics":
+            return None
+        gzipped = accepts_gzip(request.headers.get("accept-encoding", ""))
+        accounts = self.collector.latest()
+        body = self.metrics.ready(accounts, gzipped)
+        if body is None:
+            return None
+        return Response(200, body, (*(_GZIP_HEADERS if gzipped else _TEXT_HEADERS), *accounts_header(accounts)))
+
+    def respond(self, request: Request) -> Response:
+        """The response to a GET or HEAD; 405 for any other method."""
+        if request.method not in ("GET", "HEAD"):
+            return Response(405, b"only GET and HEAD are served\n", (("Content-Type", TEXT), ("Allow", "GET, HEAD")))
+        path = urlsplit(request.target).path
+        if path == "/metrics":
+            accounts = self.collector.latest()
+            gzipped = accepts_gzip(request.headers.get("accept-encoding", ""))
+            body = self.metrics.get(accounts, self.process_registry, gzipped)
+            return Response(200, body, (*(_GZIP_HEADERS if gzipped else _TEXT_HEADERS), *accounts_header(accounts)))
+        if path == "/-/healthy":
+            return Response(200, b"kvledger is healthy.\n", (("Content-Type", TEXT),))
+        if path == "/-/ready":
+            if self.collector.ready():
+                return Response(200, b"kvledger is ready.\n", (("Content-Type", TEXT),))
+            return Response(503, b"kvledger is not ready: no accounting cycle has completed yet.\n", (("Content-Type", TEXT),))
+        if path == "/api/v1/accounts":
+            if not self.json_view:
+                return Response(404, b"the JSON view is disabled (json_view: true in the config enables it)\n",
+                                (("Content-Type", TEXT),))
+            body = json.dumps(accounts_to_json(self.collector.latest(), self.collector), indent=1).encode()
+            return Response(200, body, (("Content-Type", "application/json"),))
+        if path == "/":
+            links = [("metrics", "/metrics"), ("-/healthy", "/-/healthy"), ("-/ready", "/-/ready")]
+            if self.json_view:
+                links.append(("api/v1/accounts", "/api/v1/accounts"))
+            links.append(("lab", "/lab (the cache lab)"))
+            return page("ledger.html", links)
+        if path == "/ui/ledger.json":
+            accounts = self.collector.latest()
+            messages = {(h.engine, h.source): m for h, m in self.collector.health()} if self.json_view else None
+            return json_response(ledger_document(accounts, self.json_view, messages), extra=accounts_header(accounts))
+        if path == "/lab":
+            return page("lab.html", [("./", "the ledger page"), ("metrics", "/metrics")])
+        if path == "/lab/run.json":
+            return lab_response(request.target)
+        if path.startswith("/static/") and (static := static_response(path.removeprefix("/static/"))) is not None:
+            return static
+        return Response(404, b"not found\n", (("Content-Type", TEXT),))
