@@ -20,9 +20,11 @@ ENV PIP_NO_CACHE_DIR=1 \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY exporter/ exporter/
-# a non-editable install of the package alone: no test extra, no pip or setuptools left to run
+COPY engine/ engine/
+# non-editable installs of the daemon and the engine-side library it depends on: no test
+# extra, no pip or setuptools left to run
 RUN python3 -m venv /opt/kvledger \
- && /opt/kvledger/bin/pip install --no-compile /src \
+ && /opt/kvledger/bin/pip install --no-compile /src/engine /src \
  && /opt/kvledger/bin/pip uninstall --yes pip setuptools \
  && /opt/kvledger/bin/python -m compileall -q /opt/kvledger/lib \
  && /opt/kvledger/bin/kvledger --version

@@ -11,16 +11,16 @@ LISTEN ?= 127.0.0.1:9477
 
 .PHONY: demo test test-fast lint test-vllm test-llamacpp test-image image-deps fuzz system-deps venv dashboards dashboards-check alerts kubernetes crd-schemas previews bench clean golden
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml engine/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e ./engine -e '.[test]'
 	touch $(STAMP) $(RUNTIME_STAMP)
 
-$(RUNTIME_STAMP): pyproject.toml
+$(RUNTIME_STAMP): pyproject.toml engine/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e .
+	$(PIP) install -q -e ./engine -e .
 	touch $(RUNTIME_STAMP)
 
 venv: $(STAMP)

@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from realistic_load import Load, dumps
 
-from kvledger.integration.document_server import LedgerServer
+from kvledger_engine.document_server import LedgerServer
 
 ROOT = Path(__file__).resolve().parents[1]
 TICKS = 60

@@ -36,8 +36,8 @@ from realistic_load import Load, dumps
 
 from kvledger.collect.sources.document import LedgerSource, parse_document
 from kvledger.config.model import EngineConfig
-from kvledger.integration.document_server import LedgerServer
 from kvledger.policy.engine_accounts import engine_account
+from kvledger_engine.document_server import LedgerServer
 
 BUDGET_MS = 20.0  # 2 % of a core, every second
 

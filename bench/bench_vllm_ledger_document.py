@@ -2,13 +2,13 @@
 
     PYTHONPATH=exporter python bench/bench_vllm_ledger_document.py [--quick]
 
-1. ``LedgerDocument`` (kvledger.integration.vllm.document, what the server thread of the
+1. ``LedgerDocument`` (kvledger_engine.vllm.document, what the server thread of the
    integration renders) at 1,000 and 10,000 requests, 256 of them running: the bytes
    served, and the median time of a render (a) from cold (every row rendered), (b) after a
    realistic publication (every running request's computed tokens advanced, ~5 % of the
    requests replaced per second, at the default 0.1 s interval: 0.5 % per publication),
    (c) after a publication that changed no row (the head only, every row's text cached).
-2. The reference ledger (``kvledger.integration.reference_ledger.Ledger.to_document`` plus
+2. The reference ledger (``kvledger_engine.reference_ledger.Ledger.to_document`` plus
    the JSON encoding ``document_server`` does) with the same requests, without and with
    the block lists, for comparison.
 3. ``EngineLedger.publish`` (the engine thread's share) on the fake vLLM of the unit tests
@@ -36,9 +36,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the fake vLLM of the unit tests
 
-from kvledger.integration.reference_ledger import Ledger, PoolSpec  # noqa: E402
-from kvledger.integration.vllm.document import LedgerDocument, PoolStatic, RequestRow  # noqa: E402
-from kvledger.integration.vllm.tracker import PoolSummary  # noqa: E402
+from kvledger_engine.reference_ledger import Ledger, PoolSpec  # noqa: E402
+from kvledger_engine.vllm.document import LedgerDocument, PoolStatic, RequestRow  # noqa: E402
+from kvledger_engine.vllm.tracker import PoolSummary  # noqa: E402
 
 RUNNING = 256
 BLOCK = 16
@@ -190,7 +190,7 @@ def bench_publish(n: int, publications: int) -> dict[str, Any]:
     """EngineLedger.publish on the fake vLLM: n requests, RUNNING of them decoding."""
     from fake_vllm import installed
 
-    from kvledger.integration.vllm import plugin
+    from kvledger_engine.vllm import plugin
 
     saved = {k: os.environ.get(k) for k in ("KVLEDGER_VLLM_LEDGER", "KVLEDGER_VLLM_TENANT")}
     with tempfile.TemporaryDirectory(prefix="kvl-bench-", dir="/tmp") as directory, installed() as driver:

@@ -32,9 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvledger.integration.vllm.document import PoolStatic, RequestRow
-from kvledger.integration.vllm.engine_ledger import EngineLedger
-from kvledger.integration.vllm.settings import Settings
+from kvledger_engine.vllm.document import PoolStatic, RequestRow
+from kvledger_engine.vllm.engine_core import EngineLedger
+from kvledger_engine.vllm.settings import Settings
 
 BLOCK = 16
 

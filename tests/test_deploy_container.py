@@ -72,7 +72,7 @@ def test_non_root_serve_and_healthcheck() -> None:
     assert "KVLEDGER_HEALTH_URL=http://127.0.0.1:9477/-/healthy" in env
 
 
-@pytest.mark.parametrize(("path", "sent"), [("pyproject.toml", True), ("README.md", True), ("exporter/kvledger/cli.py", True),
+@pytest.mark.parametrize(("path", "sent"), [("pyproject.toml", True), ("README.md", True), ("exporter/kvledger/cli.py", True), ("engine/pyproject.toml", True), ("engine/kvledger_engine/vllm/plugin.py", True),
                                             ("tests/test_deploy.py", False), (".venv/bin/python", False),
                                             ("dashboards/json/fleet.json", False), ("exporter/kvledger/__pycache__/x.pyc", False)])
 def test_build_context_is_the_package_alone(path: str, sent: bool) -> None:

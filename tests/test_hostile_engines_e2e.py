@@ -19,9 +19,9 @@ from test_serve_e2e import scrape, value
 
 from harness.hostile import HostileEngine
 from harness.kvledger_daemon import Daemon, run_serve
-from kvledger.integration.document_server import LedgerServer, serve_http
 from kvledger.sim.demo import demo_profiles
 from kvledger.sim.engine import SimEngine
+from kvledger_engine.document_server import LedgerServer, serve_http
 
 pytestmark = pytest.mark.e2e
 

@@ -12,7 +12,7 @@ import pytest
 from harness.hostile import HostileEngine
 from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.http_client import HttpClient, redact_url
-from kvledger.integration.document_server import serve_unix
+from kvledger_engine.document_server import serve_unix
 
 
 @pytest.fixture

@@ -4,8 +4,8 @@ import pytest
 from jsonschema import Draft202012Validator
 from ledger_checks import assert_consistent
 
-from kvledger.integration.reference_ledger import Ledger, LedgerError, OutOfBlocks, PoolSpec
 from kvledger.protocol.reader import load_schema
+from kvledger_engine.reference_ledger import Ledger, LedgerError, OutOfBlocks, PoolSpec
 
 B = 16
 

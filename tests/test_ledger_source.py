@@ -4,20 +4,20 @@ import tempfile
 
 import pytest
 
-from kvledger.collect.merge import configured_facts
+from kvledger.collect.merge import apply_contribution, configured_facts
 from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.document import LedgerSource
 from kvledger.config.model import EngineConfig, HostConfig, LimitConfig, MemoryConfig, ProcessMatch, SizeWithSource, TenantConfig
-from kvledger.integration.document_server import serve_http, serve_unix
-from kvledger.integration.reference_ledger import Ledger, PoolSpec
 from kvledger.model.facts import Limit, MemoryTerm, Snapshot, TenantQuota
+from kvledger_engine.document_server import serve_http, serve_unix
+from kvledger_engine.reference_ledger import Ledger, PoolSpec
 
 
 def polled(url, **kw):
     """The engine's facts as the collector sees them: polled, then the configuration merged in."""
     cfg = config(url, **kw)
     snap = Snapshot(engines=[configured_facts(cfg)])
-    LedgerSource(cfg).poll().apply(snap)
+    apply_contribution(snap, LedgerSource(cfg).poll())
     return snap.engines[0]
 
 
@@ -80,7 +80,7 @@ def test_poll_over_http():
         check_facts(polled(server.url))
     assert contribution.facts.budgets.max_num_seqs is None  # the document's own facts
     snap = Snapshot()
-    contribution.apply(snap)
+    apply_contribution(snap, contribution)
     assert snap.engines[0].name == "eng"
 
 
@@ -172,7 +172,7 @@ def test_unchanged_document_is_not_parsed_again(monkeypatch) -> None:  # type: i
     """An idle engine serves the same bytes: the source reuses its facts; a change is seen."""
     import kvledger.collect.sources.document as ledger_mod
     from kvledger.config.model import EngineConfig
-    from kvledger.integration.document_server import serve_http
+    from kvledger_engine.document_server import serve_http
 
     doc = {"schema": "kvledger/v1", "pools": [{"id": "0", "block_size": 16, "block_bytes": 1, "num_blocks": 10}], "requests": []}
     calls = []

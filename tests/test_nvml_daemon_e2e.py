@@ -15,9 +15,9 @@ from fake_nvml import ENV_VAR, GIB, MIB, FakeGpu, Inventory, build_library
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.kvledger_daemon import Daemon, run_serve
-from kvledger.integration.document_server import LedgerServer, serve_http
 from kvledger.sim.demo import demo_profiles
 from kvledger.sim.engine import SimEngine
+from kvledger_engine.document_server import LedgerServer, serve_http
 
 pytestmark = pytest.mark.e2e
 ENGINE_PID = 4_242_424

@@ -17,9 +17,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.kvledger_daemon import ROOT, Daemon, _env, run_serve
-from kvledger.integration.document_server import LedgerServer, serve_http, serve_unix
 from kvledger.sim.demo import demo_profiles
 from kvledger.sim.engine import SimEngine
+from kvledger_engine.document_server import LedgerServer, serve_http, serve_unix
 
 pytestmark = pytest.mark.e2e
 

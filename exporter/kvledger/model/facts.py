@@ -1,7 +1,7 @@
 """The Snapshot: normalized facts gathered from the sources.
 
 Sources fill these dataclasses and never compute policy numbers; the policy module
-(policy.py) turns a Snapshot into Accounts. A field left as ``None`` is *unknown*:
+(``kvledger.policy``) turns a Snapshot into Accounts. A field left as ``None`` is *unknown*:
 it produces no series, never a zero.
 """
 
@@ -11,38 +11,58 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+# the words of the wire format are the engine-side library's (one spelling for producers and the reader)
+from kvledger_engine.wire_terms import (
+    ADMISSIONS as ADMISSIONS,
+)
+from kvledger_engine.wire_terms import (
+    BUDGET_CATEGORIES as BUDGET_CATEGORIES,
+)
+from kvledger_engine.wire_terms import (
+    COUNTER_NAMES as COUNTER_NAMES,
+)
+from kvledger_engine.wire_terms import (
+    LIMIT_KINDS as LIMIT_KINDS,
+)
+from kvledger_engine.wire_terms import (
+    OUTPUT_BOUNDS as OUTPUT_BOUNDS,
+)
+from kvledger_engine.wire_terms import (
+    OVERFLOWS as OVERFLOWS,
+)
+from kvledger_engine.wire_terms import (
+    REQUEST_STATES as REQUEST_STATES,
+)
+from kvledger_engine.wire_terms import (
+    TERM_SOURCES as TERM_SOURCES,
+)
+from kvledger_engine.wire_terms import (
+    Admission as Admission,
+)
+from kvledger_engine.wire_terms import (
+    LimitKind as LimitKind,
+)
+from kvledger_engine.wire_terms import (
+    OutputBound as OutputBound,
+)
+from kvledger_engine.wire_terms import (
+    Overflow as Overflow,
+)
+from kvledger_engine.wire_terms import (
+    RequestState as RequestState,
+)
+from kvledger_engine.wire_terms import (
+    TermSource as TermSource,
+)
+
 Basis = Literal["exact", "upper_bound", "lower_bound"]
-RequestState = Literal["running", "waiting", "preempted"]
-OutputBound = Literal["cap", "estimate"]
-Admission = Literal["reserve-cap", "dynamic"]
-Overflow = Literal["preempt-recompute", "reject", "swap", "unknown"]
 Sharing = Literal["per-request", "reference-aware"]
-TermSource = Literal["measured", "configured", "estimate"]
-LimitKind = Literal["hard", "estimate"]
 NvmlEnabled = Literal["auto", "true", "false"]
 
 # The value tuples below spell out their Literal (tests/test_type_gate.py checks they agree).
 
-ADMISSIONS: tuple[Admission, ...] = ("reserve-cap", "dynamic")
-OVERFLOWS: tuple[Overflow, ...] = ("preempt-recompute", "reject", "swap", "unknown")
 SHARINGS: tuple[Sharing, ...] = ("per-request", "reference-aware")
-REQUEST_STATES: tuple[RequestState, ...] = ("running", "waiting", "preempted")
-OUTPUT_BOUNDS: tuple[OutputBound, ...] = ("cap", "estimate")
-BUDGET_CATEGORIES: tuple[str, ...] = ("weights", "workspace", "runtime_buffers", "reserve", "kv_pool")
-TERM_SOURCES: tuple[TermSource, ...] = ("measured", "configured", "estimate")
-LIMIT_KINDS: tuple[LimitKind, ...] = ("hard", "estimate")
 NVML_ENABLED: tuple[NvmlEnabled, ...] = ("auto", "true", "false")
-COUNTER_NAMES: tuple[str, ...] = (
-    "preemptions",
-    "reservation_overflows",
-    "admission_rechecks_accepted",
-    "admission_rechecks_rejected",
-    "reservation_leaks",
-    "prefix_cache_queried_tokens",  # prompt tokens looked up in the prefix cache
-    "prefix_cache_hit_tokens",  # of those, tokens found cached
-    "host_offloaded_tokens",  # tokens moved from the GPU pool to a host (CPU) tier (SGLang HiCache)
-    "host_loaded_tokens",  # tokens loaded back from the host tier into the GPU pool
-)
 #: kinds of memory an engine's runtime reports holding (TensorRT-LLM's memory counters)
 REPORTED_MEMORY_TYPES: tuple[str, ...] = ("gpu", "cpu", "pinned")
 

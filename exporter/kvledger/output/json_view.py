@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
-from kvledger.collect.collector import Collector
 from kvledger.model.accounts import Accounts
+from kvledger.model.facts import SourceHealth
 from kvledger.output.catalog import CATALOG
 
 
-def accounts_to_json(accounts: Accounts | None, collector: Collector | None = None) -> dict[str, Any]:
+def accounts_to_json(accounts: Accounts | None, health: Iterable[tuple[SourceHealth, str | None]] = ()) -> dict[str, Any]:
+    """``health``: each source's health and message (the collector's ``health()``)."""
     out: dict[str, Any] = {"taken_at": None, "sharing": None, "metrics": {}, "sources": []}
     if accounts is not None:
         out["taken_at"] = accounts.taken_at
@@ -22,17 +24,16 @@ def accounts_to_json(accounts: Accounts | None, collector: Collector | None = No
             ]
             if samples:
                 out["metrics"][spec.name] = samples
-    if collector is not None:
-        for health, message in collector.health():
-            out["sources"].append(
-                {
-                    "engine": health.engine,
-                    "source": health.source,
-                    "up": health.up,
-                    "reason": health.reason,
-                    "message": message,
-                    "last_success": health.last_success,
-                    "duration_seconds": health.duration_seconds,
-                }
-            )
+    for source, message in health:
+        out["sources"].append(
+            {
+                "engine": source.engine,
+                "source": source.source,
+                "up": source.up,
+                "reason": source.reason,
+                "message": message,
+                "last_success": source.last_success,
+                "duration_seconds": source.duration_seconds,
+            }
+        )
     return out

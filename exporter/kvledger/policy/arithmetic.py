@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvledger.model.measure import Measure
+from kvledger_engine.reservation import ceil_div as ceil_div  # written once, beside R(r)
 
 ADMITTED_STATES = frozenset(("running", "preempted"))
 
 
-def ceil_div(a: Any, b: int) -> Any:
-    return -(-a // b)
 
 
 # ---------------------------------------------------------------- measures

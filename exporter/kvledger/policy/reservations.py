@@ -15,7 +15,8 @@ from kvledger.model.facts import (
     RequestFacts,
 )
 from kvledger.model.request_table import RequestTable
-from kvledger.policy.arithmetic import ceil_div
+from kvledger_engine.reservation import reservation_blocks as engine_reservation_blocks
+from kvledger_engine.reservation import window_blocks as window_blocks
 
 # ---------------------------------------------------------------- per request
 
@@ -31,34 +32,21 @@ def reservation_blocks(
     sliding_window: int | None = None,
     in_flight_tokens: int = 1,
 ) -> Any:
-    """R(r): the upper reservation of one request in blocks, sharing ignored.
-
-    T = ceil(min(P + O + k, L) / B); R = T + (n - 1) * (T - floor(P / B));
-    with a sliding window W: R = min(R, n * window_blocks(W, B, f)), which is
-    n * (ceil(W / B) + 1) for the f = 1 token a decode step adds (the default).
-    Takes ints (returns an int) or, element-wise, numpy integer arrays (returns an array).
-    """
-    tokens = prompt_tokens + max_output_tokens + speculative_slots
-    if max_model_len is not None:
-        tokens = np.minimum(tokens, max_model_len)
-    t = ceil_div(tokens, block_size)
-    n = np.maximum(1, contexts)
-    shared_full = np.minimum(prompt_tokens // block_size, t)
-    r = t + (n - 1) * (t - shared_full)
-    if sliding_window is not None:
-        r = np.minimum(r, n * window_blocks(sliding_window, block_size, in_flight_tokens))
+    """R(r) (``kvledger_engine.reservation``, where the formula is written once) over ints
+    (returns an int) or, element-wise, numpy integer arrays (returns an array)."""
+    r = engine_reservation_blocks(
+        prompt_tokens,
+        max_output_tokens,
+        block_size,
+        max_model_len=max_model_len,
+        contexts=contexts,
+        speculative_slots=speculative_slots,
+        sliding_window=sliding_window,
+        in_flight_tokens=in_flight_tokens,
+        minimum=np.minimum,
+        maximum=np.maximum,
+    )
     return r if isinstance(r, np.ndarray) else int(r)
-
-
-def window_blocks(window: int, block_size: int, in_flight_tokens: int = 1) -> int:
-    """Blocks one context holds in a sliding-window pool: ceil((W - 1 + f) / B) + 1.
-
-    The context attends to the last W - 1 tokens plus the f tokens in flight (scheduled,
-    not yet settled: 1 for a decode step, up to max_concurrent_batches x
-    max_num_batched_tokens for chunked prefill with async scheduling or pipeline stages);
-    the +1 is the block the window's start may straddle. f = 1 gives ceil(W / B) + 1.
-    """
-    return int(ceil_div(window - 1 + in_flight_tokens, block_size)) + 1
 
 
 def held_blocks(req: RequestFacts) -> int:

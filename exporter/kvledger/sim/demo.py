@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from kvledger.config.model import EngineConfig, HostConfig, LimitConfig, MemoryConfig, ProcessMatch, TenantConfig
-from kvledger.integration.document_server import LedgerServer, serve_http, serve_unix
-from kvledger.integration.reference_ledger import PoolSpec
 from kvledger.sim.engine import GiB, SimEngine, SimProfile
 from kvledger.sim.engine_frontends import FRONTENDS, Frontend
 from kvledger.sim.gpu import SimGpuSource
 from kvledger.sim.llamacpp_server import SimLlamacpp, SimLlamacppProfile
 from kvledger.sim.vllm_frontend import VllmFrontend
+from kvledger_engine.document_server import LedgerServer, serve_http, serve_unix
+from kvledger_engine.reference_ledger import PoolSpec
 
 MiB = 2**20
 

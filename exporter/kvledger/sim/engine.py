@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from kvledger.integration.reference_ledger import Ledger, OutOfBlocks, PoolSpec
+from kvledger_engine.reference_ledger import Ledger, OutOfBlocks, PoolSpec
 
 FAULTS = ("none", "reserve-overcommit", "per-request-used", "leak", "overflow")
 GiB = 2**30

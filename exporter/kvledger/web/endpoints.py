@@ -128,7 +128,7 @@ class Endpoints:
             if not self.json_view:
                 return Response(404, b"the JSON view is disabled (json_view: true in the config enables it)\n",
                                 (("Content-Type", TEXT),))
-            body = json.dumps(accounts_to_json(self.collector.latest(), self.collector), indent=1).encode()
+            body = json.dumps(accounts_to_json(self.collector.latest(), self.collector.health()), indent=1).encode()
             return Response(200, body, (("Content-Type", "application/json"),))
         if path == "/":
             links = [("metrics", "/metrics"), ("-/healthy", "/-/healthy"), ("-/ready", "/-/ready")]

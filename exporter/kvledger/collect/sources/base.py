@@ -12,12 +12,10 @@ what was wrong (shown by ``kvledger check``/``snapshot`` and logged).
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvledger.collect.merge import merge
 from kvledger.model.facts import EngineFacts, GpuFacts, Snapshot
 
 
@@ -33,14 +31,12 @@ class SourceError(Exception):
         return self.message
 
 
-class Contribution(ABC):
-    """What one successful poll adds to a Snapshot. Must not mutate shared objects."""
+class Contribution:
+    """What one successful poll adds to a Snapshot (facts only); the collector applies it
+    (``collect.merge.apply_contribution``). Must not mutate shared objects."""
 
     #: primaries (the engine's main facts) are applied before patches
     order: int = 1
-
-    @abstractmethod
-    def apply(self, snapshot: Snapshot) -> None: ...
 
 
 def find_engine(snapshot: Snapshot, name: str) -> EngineFacts | None:
@@ -53,17 +49,10 @@ def find_engine(snapshot: Snapshot, name: str) -> EngineFacts | None:
 @dataclass
 class EngineContribution(Contribution):
     """The primary facts of one engine, as the engine reports them; the configured facts
-    are merged in by ``facts_merge.merge`` (one precedence for every field)."""
+    are merged in by the collector (``collect.merge``: one precedence for every field)."""
 
     facts: EngineFacts
     order: int = 0
-
-    def apply(self, snapshot: Snapshot) -> None:
-        base = find_engine(snapshot, self.facts.name)
-        if base is not None:
-            snapshot.engines[snapshot.engines.index(base)] = merge(self.facts, base)
-        else:
-            snapshot.engines.append(dataclasses.replace(self.facts))
 
 
 @dataclass

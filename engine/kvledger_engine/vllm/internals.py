@@ -26,7 +26,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvledger.integration.vllm.document import PoolStatic, RequestRow
+from kvledger_engine.vllm.document import PoolStatic, RequestRow
 
 logger = logging.getLogger("vllm.kvledger")
 

@@ -1,6 +1,6 @@
 """An ASGI middleware for vLLM's API server: a tenant header becomes the request's tenant.
 
-    vllm serve MODEL --middleware kvledger.integration.vllm.tenant_header.TenantHeader
+    vllm serve MODEL --middleware kvledger_engine.vllm.tenant_header.TenantHeader
 
 with ``KVLEDGER_VLLM_TENANT=request`` (read in the engine) and, optionally,
 ``KVLEDGER_VLLM_TENANT_HEADER`` (default ``x-tenant``). On ``POST /v1/completions`` and

@@ -4,7 +4,7 @@
 answering ``GET /`` (any path) with ``render()`` as JSON. The Unix-socket variant
 speaks the same HTTP/1.1 on a stream socket (``unix:///path`` URLs of the ledger
 source). Used by the simulator, by tests and by custom engines embedding
-``kvledger.integration.reference_ledger.Ledger``.
+``kvledger_engine.reference_ledger.Ledger``.
 
 Two optional economies, both negotiated by the reader (docs/ledger.md, "Cheaper reads"):
 

@@ -26,7 +26,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
-from kvledger.integration.vllm.tracker import PoolSummary
+from kvledger_engine.vllm.tracker import PoolSummary
 
 SCHEMA_ID = "kvledger/v1"
 

@@ -29,8 +29,8 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvledger.model.facts import ADMISSIONS, BUDGET_CATEGORIES, LIMIT_KINDS, OUTPUT_BOUNDS, OVERFLOWS, TERM_SOURCES
-from kvledger.policy.reservations import reservation_blocks
+from kvledger_engine.reservation import reservation_blocks
+from kvledger_engine.wire_terms import ADMISSIONS, BUDGET_CATEGORIES, LIMIT_KINDS, OUTPUT_BOUNDS, OVERFLOWS, TERM_SOURCES
 
 SCHEMA_ID = "kvledger/v1"
 
@@ -268,7 +268,7 @@ class Ledger:
 
     def _reservation(self, req: _Request, max_output_tokens: int | None = None) -> int:
         spec = self._pools[req.pool].spec
-        blocks: int = reservation_blocks(  # int arguments give an int
+        blocks: int = reservation_blocks(  # int arguments give an int (min and max by default)
             req.prompt_tokens,
             req.max_output_tokens if max_output_tokens is None else max_output_tokens,
             spec.block_size,

@@ -15,11 +15,11 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from kvledger.integration.document_server import LedgerServer
-from kvledger.integration.vllm.document import LedgerDocument, RequestRow
-from kvledger.integration.vllm.internals import EngineView, step_facts
-from kvledger.integration.vllm.settings import Settings
-from kvledger.integration.vllm.tracker import PoolTracker, RequestTracker, Throttle
+from kvledger_engine.document_server import LedgerServer
+from kvledger_engine.vllm.document import LedgerDocument, RequestRow
+from kvledger_engine.vllm.internals import EngineView, step_facts
+from kvledger_engine.vllm.settings import Settings
+from kvledger_engine.vllm.tracker import PoolTracker, RequestTracker, Throttle
 
 logger = logging.getLogger("vllm.kvledger")
 

@@ -22,12 +22,12 @@ logger = logging.getLogger("vllm.kvledger")
 def register() -> None:
     """The entry point. Inert unless KVLEDGER_VLLM_LEDGER is set; never raises."""
     try:
-        from kvledger.integration.vllm.settings import Settings
+        from kvledger_engine.vllm.settings import Settings
 
         settings = Settings.from_env()
         if settings is None:
             return
-        from kvledger.integration.vllm import internals
+        from kvledger_engine.vllm import internals
 
         internals.check_version(internals.vllm_version(), settings.allow_untested)
         internals.patch_scheduler_choice(_attacher(settings), LedgerHooks)
@@ -47,8 +47,8 @@ def attach(scheduler: Any, settings: Any) -> None:
     """Give ``scheduler`` its ledger (or none, with the one log line saying why)."""
     scheduler._kvledger = None
     try:
-        from kvledger.integration.vllm import internals
-        from kvledger.integration.vllm.engine_ledger import EngineLedger
+        from kvledger_engine.vllm import internals
+        from kvledger_engine.vllm.engine_core import EngineLedger
 
         view = internals.EngineView(scheduler, settings.tenant_mode)
         ledger = EngineLedger(view, settings, internals.vllm_version())

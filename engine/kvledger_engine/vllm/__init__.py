@@ -10,7 +10,7 @@ Enabled by one environment variable of ``vllm serve`` (``KVLEDGER_VLLM_LEDGER``,
 - ``engine_ledger``: one engine core's ledger, tying the above to a ``LedgerServer``;
 - ``settings``: the environment variables;
 - ``tenant_header``: an ASGI middleware for the API server that carries a tenant header
-  into the request (``--middleware kvledger.integration.vllm.tenant_header.TenantHeader``).
+  into the request (``--middleware kvledger_engine.vllm.tenant_header.TenantHeader``).
 
 Standard library only: vLLM imports none of kvledger's dependencies through it.
 """
