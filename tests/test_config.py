@@ -107,7 +107,7 @@ def test_otlp_and_json_view(tmp_path: Path) -> None:
         load_config(write(tmp_path, "otlp: {endpoint: 'http://x:4318', headers: {}}\n"))
 
 
-# ---------------------------------------------------------------- engine kinds (engine_kinds.py)
+# ---------------------------------------------------------------- engine kinds (collect/engine_kinds.py)
 
 
 def _one_engine(tmp_path: Path, body: str) -> Path:

@@ -216,7 +216,7 @@ def test_sidecar_shares_the_ledger_socket_through_an_emptydir() -> None:
     assert volumes[shared[0]] == {"name": shared[0], "emptyDir": {}}
     config_mount = next(m for m in kvledger["volumeMounts"] if m["mountPath"] == "/etc/kvledger")
     assert volumes[config_mount["name"]]["configMap"]["name"] == "kvledger-sidecar-config"
-    assert "pip install kvledger" in (K8S / "sidecar" / "vllm-deployment.yaml").read_text()
+    assert "pip install ./engine" in (K8S / "sidecar" / "vllm-deployment.yaml").read_text()
     # the socket's group is one both containers share
     assert pod["securityContext"]["fsGroup"] == kvledger["securityContext"]["runAsGroup"]
 

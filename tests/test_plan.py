@@ -607,7 +607,7 @@ def test_fixture_configs_are_the_published_values() -> None:
 
 def test_docs_examples_are_the_commands_output(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every ``$ kvledger plan ...`` block of README.md and docs/plan.md shows what the command prints
-    (KVLEDGER_REGEN=1 rewrites them) and the GPU table is the one in plan.py."""
+    (KVLEDGER_REGEN=1 rewrites them) and the GPU table is the one in tools/plan.py."""
     monkeypatch.chdir(ROOT)
     readme = ROOT / "README.md"
     text = readme.read_text()

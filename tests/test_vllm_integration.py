@@ -1227,7 +1227,7 @@ def test_merge_ledger_takes_pools_requests_and_budgets_from_the_ledger() -> None
     assert merged.requests == doc.requests and merged.request_counts is None and metrics.request_counts is not None
     assert merged.budgets == doc.budgets
     assert (merged.name, merged.kind, merged.counters) == (metrics.name, metrics.kind, metrics.counters) and merged.counters
-    # the policy: exact where /metrics gave bounds (max_model_len as facts_merge fills it from the configuration)
+    # the policy: exact where /metrics gave bounds (max_model_len as the merge fills it from the configuration)
     with_len = dataclasses.replace(metrics, budgets=Budgets(max_model_len=1024))
     exact, bounds = engine_account(merged, "reference-aware").pools[0], engine_account(with_len, "reference-aware").pools[0]
     assert exact.reserved_blocks is not None and exact.reserved_blocks.exact is not None

@@ -7,7 +7,7 @@ Enabled by one environment variable of ``vllm serve`` (``KVLEDGER_VLLM_LEDGER``,
 - ``internals``: the only module that reads vLLM's internals (``EngineView``);
 - ``tracker``: the incremental pool and request state, and the publication throttle;
 - ``document``: publications in, kvledger/v1 bytes out (rendered by the server thread);
-- ``engine_ledger``: one engine core's ledger, tying the above to a ``LedgerServer``;
+- ``engine_core``: one engine core's ledger, tying the above to a ``LedgerServer``;
 - ``settings``: the environment variables;
 - ``tenant_header``: an ASGI middleware for the API server that carries a tenant header
   into the request (``--middleware kvledger_engine.vllm.tenant_header.TenantHeader``).
