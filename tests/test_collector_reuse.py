@@ -8,8 +8,8 @@ from __future__ import annotations
 from kvledger.collect.collector import Collector
 from kvledger.collect.sources.document import LedgerSource
 from kvledger.config.model import EngineConfig
-from kvledger.integration.document_server import serve_http
-from kvledger.integration.reference_ledger import Ledger, PoolSpec
+from kvledger_engine.document_server import serve_http
+from kvledger_engine.reference_ledger import Ledger, PoolSpec
 
 
 def test_unchanged_document_keeps_its_account_and_its_counts() -> None:

@@ -10,12 +10,12 @@ from collections.abc import Callable
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvledger.collect.collector import Collector, check_renderable
+from kvledger.collect.collector import Collector
 from kvledger.collect.label_limits import LabelLimitError, limit_labels, shorten
 from kvledger.collect.sources.base import Contribution, EngineContribution, GpuContribution, Source
 from kvledger.config.model import LimitsConfig
 from kvledger.model.facts import Budgets, EngineFacts, GpuFacts, PoolFacts, RequestFacts, Snapshot, TenantQuota
-from kvledger.output.prometheus import render_text
+from kvledger.output.prometheus import check_renderable, render_text
 from kvledger.policy.engine_accounts import compute_accounts
 
 

@@ -17,12 +17,12 @@ from harness.prometheus import start_prometheus
 from kvledger.collect.collector import Collector
 from kvledger.collect.sources.document import LedgerSource
 from kvledger.config.model import EngineConfig
-from kvledger.integration.document_server import LedgerServer, serve_http
-from kvledger.integration.reference_ledger import Ledger, PoolSpec
 from kvledger.output.prometheus import render_text
 from kvledger.web.connection import Request
 from kvledger.web.endpoints import Endpoints, accepts_gzip
 from kvledger.web.server import KvledgerHTTPServer
+from kvledger_engine.document_server import LedgerServer, serve_http
+from kvledger_engine.reference_ledger import Ledger, PoolSpec
 
 
 def _ledger() -> Ledger:

@@ -1,5 +1,6 @@
-"""Background polling of every source, each isolated with its own timeout, and the
-accounting of the assembled Snapshot. A scrape reads ``latest()``; it never waits.
+"""Background polling of every source, each isolated with its own timeout, the assembly
+of the Snapshot and the publication of its Accounts. A scrape reads ``latest()``; it
+never waits.
 
 Each cycle (every ``interval`` seconds) submits a poll for every source that is not
 already in flight, waits at most until the next cycle, then assembles a fresh
@@ -7,28 +8,32 @@ Snapshot from the latest contribution of every source that is *up* and runs the
 policy. A source that raises is marked down with its reason; one that hangs past its
 timeout is marked down (``timeout``) and is not polled again until the hung poll
 returns. A down source contributes nothing: its series disappear rather than go stale.
+
+The accounting itself is a pure step (``accounting.account_snapshot``): the collector
+passes it the Snapshot, what each engine was made from, its ``AccountCache`` and the
+output side's render check, then applies the result: findings counted once per fresh
+poll, the sources of invalid engines marked down (``invalid``), health, logging.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from kvledger.collect.label_limits import LabelLimitError, LimitCounts, limit_labels
+from kvledger.collect.accounting import AccountCache, EngineInputs, RenderCheck, account_snapshot
+from kvledger.collect.label_limits import LabelLimitError, LimitCounts
+from kvledger.collect.merge import apply_contribution
 from kvledger.collect.sources.base import Contribution, EngineContribution, GpuContribution, Source, SourceError
 from kvledger.collect.sources.http_client import redact_text
 from kvledger.config.model import LimitsConfig
-from kvledger.model.accounts import Accounts, EngineAccount
+from kvledger.model.accounts import Accounts
 from kvledger.model.facts import EngineFacts, Sharing, Snapshot, SourceHealth
-from kvledger.output.catalog import CATALOG
-from kvledger.policy.device_budget import budget_terms, gpu_accounts
-from kvledger.policy.engine_accounts import engine_account
+from kvledger.output.prometheus import check_renderable
 
 log = logging.getLogger("kvledger.collect.collector")
 
@@ -100,6 +105,8 @@ class Collector:
     default_timeout: float = 2.0
     on_cycle: Callable[[Accounts], None] | None = None
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    #: the output side's check that an engine's Accounts can be exported (each engine alone)
+    render_check: RenderCheck = check_renderable
 
     def __post_init__(self) -> None:
         self._runners = [
@@ -117,9 +124,8 @@ class Collector:
         self._subs: dict[tuple[str, str], SourceHealth] = {}
         self._sub_messages: dict[tuple[str, str], str | None] = {}
         self._pending: _Reconfiguration | None = None
-        # each engine's account with the inputs it was computed from (reused while they stay the same objects)
-        self._accounted: dict[str, tuple[tuple[object, ...], EngineAccount, LimitCounts]] = {}
-        self._last_limited: LimitCounts | None = None
+        # each engine's account with the inputs it was made from (reused while they stay the same objects)
+        self._cache = AccountCache()
         self.cycles = 0
 
     # ------------------------------------------------------------ public
@@ -309,85 +315,35 @@ class Collector:
         return out
 
     def _account(self) -> Accounts:
-        """Assemble the Snapshot and account it, one engine at a time: an engine whose
-        facts cannot be accounted or rendered is dropped alone, its primary source marked
-        down (``invalid``), and every other engine's numbers stay fresh."""
-        taken_at = time.time()
-        snapshot = Snapshot(
-            engines=[dataclasses.replace(e) for e in self.base_engines],
-            sharing=self.sharing,
-            taken_at=taken_at,
-        )
-        fresh: set[str] = set()  # engines whose primary facts are new this cycle
-        primary: dict[str, _Runner] = {}
-        inputs: dict[str, list[object]] = {}  # what was applied to each engine, in order
-        contributions = [(r.latest.order, i, r) for i, r in enumerate(self._runners) if r.latest is not None]
-        for _, _, r in sorted(contributions, key=lambda t: (t[0], t[1])):
-            contribution = r.latest
-            assert contribution is not None
-            try:
-                contribution.apply(snapshot)
-            except Exception as exc:  # a malformed contribution fails its own source alone
-                self._invalid(r, exc)
-                continue
-            target = contribution.facts.name if isinstance(contribution, EngineContribution) else getattr(contribution, "engine", None)
-            if isinstance(target, str):
-                inputs.setdefault(target, []).append(contribution)
-            if isinstance(contribution, EngineContribution):
-                name = contribution.facts.name
-                primary[name] = r
-                if self._counted_generation.get(id(r)) != r.generation:
-                    self._counted_generation[id(r)] = r.generation
-                    fresh.add(name)
-
-        engines: list[EngineAccount] = []
-        base_of = {e.name: e for e in self.base_engines}
-        cache: dict[str, tuple[tuple[object, ...], EngineAccount, LimitCounts]] = {}
-        for facts in snapshot.engines:
+        """Assemble the Snapshot, account it (``account_snapshot``: each engine alone) and
+        publish the Accounts: an engine whose facts cannot be accounted or rendered has its
+        primary source marked down (``invalid``), every other engine's numbers stay fresh."""
+        snapshot, inputs, primary, fresh = self._assemble()
+        result = account_snapshot(snapshot, inputs, self.limits, self._cache, self.render_check)
+        for facts in snapshot.engines:  # a fresh poll counts its findings, also when its account is reused
             name = facts.name
-            key = (base_of.get(name), self.sharing, self.limits, *inputs.get(name, ()))
-            cached = self._accounted.get(name)
-            if cached is not None and len(cached[0]) == len(key) and all(a is b for a, b in zip(cached[0], key, strict=True)):
-                # the same inputs as last cycle (an idle engine's unchanged document): the
-                # same account, already checked; a fresh poll of it still counts its findings
-                account, limited = cached[1], cached[2]
-                if name in fresh:
-                    self._count_limited(name, limited)
-                    self._count_invariants(account)
-                engines.append(account)
-                cache[name] = cached
-                continue
-            computed = self._engine_account(facts, primary.get(name), name in fresh, snapshot)
-            if computed is not None:
-                engines.append(computed)
-                if self._last_limited is not None:
-                    cache[name] = (key, computed, self._last_limited)
-        self._accounted = cache
-        snapshot.engines = [a.facts for a in engines]
-
-        terms = budget_terms(snapshot.engines)
-        try:
-            gpus = gpu_accounts(snapshot, terms)
-            check_renderable(Accounts([], gpus, terms, snapshot.driver_version, [], self.sharing, taken_at))
-        except Exception as exc:  # GPU facts that cannot be accounted fail the GPU sources alone
+            if name in fresh:
+                self._count_limited(name, result.limited.get(name, {}))
+                self._count_invariants(name, result.invariants.get(name, []))
+        for name, exc in result.invalid.items():
+            self._invalid(primary.get(name), exc, engine=name)
+        if result.gpu_error is not None:  # GPU facts that cannot be accounted fail the GPU sources alone
             for r in self._runners:
                 if isinstance(r.latest, GpuContribution):
-                    self._invalid(r, exc)
-            gpus = []
-            snapshot.driver_version = None
+                    self._invalid(r, result.gpu_error)
 
         for r in self._runners:  # a poll counts as a success once its facts were accounted
             if r.health.up:
                 r.accounted_at = r.health.last_success
         accounts = Accounts(
-            engines=engines,
-            gpus=gpus,
-            budget=terms,
-            driver_version=snapshot.driver_version,
+            engines=result.accounts.engines,
+            gpus=result.accounts.gpus,
+            budget=result.accounts.budget,
+            driver_version=result.accounts.driver_version,
             health=[dataclasses.replace(r.health, errors=dict(r.health.errors)) for r in self._runners]
             + self._sub_health(),
             sharing=self.sharing,
-            taken_at=taken_at,
+            taken_at=snapshot.taken_at,
             invariant_totals=dict(self._invariant_totals),
             labels_limited=dict(self._limited_totals),
         )
@@ -398,39 +354,49 @@ class Collector:
             self.on_cycle(accounts)
         return accounts
 
-    def _engine_account(
-        self, facts: EngineFacts, runner: _Runner | None, fresh: bool, snapshot: Snapshot
-    ) -> EngineAccount | None:
-        """The engine's account, or None; facts that cannot be accounted or rendered mark
-        its primary source down and fall back to what the configuration alone says."""
-        self._last_limited = None
-        try:
-            limited_facts, limited = limit_labels(facts, self.limits)
-            if fresh:
-                self._count_limited(facts.name, limited)
-            account = engine_account(limited_facts, self.sharing)
-            check_renderable(_alone(account, snapshot))
-        except Exception as exc:  # facts the policy or the renderer cannot carry
-            if fresh and isinstance(exc, LabelLimitError):
-                self._count_limited(facts.name, exc.counts)
-            self._invalid(runner, exc, engine=facts.name)
-            base = next((b for b in self.base_engines if b.name == facts.name), None)
-            if runner is None or base is None:
-                return None
-            try:  # like a source that is down: the configured facts only
-                account = engine_account(dataclasses.replace(base), self.sharing)
-                check_renderable(_alone(account, snapshot))
-            except Exception:
-                return None
-            return account
-        if fresh:
-            self._count_invariants(account)
-        self._last_limited = limited  # accounted from the engine's own facts: may be reused
-        return account
+    def _assemble(self) -> tuple[Snapshot, dict[str, EngineInputs], dict[str, _Runner], set[str]]:
+        """A fresh Snapshot: the configured facts of every engine, then the latest
+        contribution of every source that is up. Returned with what each engine's facts were
+        made from, the runner that gave each engine its primary facts, and the engines whose
+        primary facts are new this cycle (their findings are counted)."""
+        snapshot = Snapshot(
+            engines=[dataclasses.replace(e) for e in self.base_engines],
+            sharing=self.sharing,
+            taken_at=time.time(),
+        )
+        fresh: set[str] = set()  # engines whose primary facts are new this cycle
+        primary: dict[str, _Runner] = {}
+        applied: dict[str, list[Contribution]] = {}  # what was applied to each engine, in order
+        contributions = [(r.latest.order, i, r) for i, r in enumerate(self._runners) if r.latest is not None]
+        for _, _, r in sorted(contributions, key=lambda t: (t[0], t[1])):
+            contribution = r.latest
+            assert contribution is not None
+            try:
+                apply_contribution(snapshot, contribution)
+            except Exception as exc:  # a malformed contribution fails its own source alone
+                self._invalid(r, exc)
+                continue
+            target = contribution.facts.name if isinstance(contribution, EngineContribution) else getattr(contribution, "engine", None)
+            if isinstance(target, str):
+                applied.setdefault(target, []).append(contribution)
+            if isinstance(contribution, EngineContribution):
+                name = contribution.facts.name
+                primary[name] = r
+                if self._counted_generation.get(id(r)) != r.generation:
+                    self._counted_generation[id(r)] = r.generation
+                    fresh.add(name)
 
-    def _count_invariants(self, account: EngineAccount) -> None:
-        for check in account.invariant_violations:
-            key = (account.name, check)
+        configured: dict[str, EngineFacts] = {}
+        for e in self.base_engines:
+            configured.setdefault(e.name, e)
+        inputs = {
+            e.name: EngineInputs(configured.get(e.name), tuple(applied.get(e.name, ()))) for e in snapshot.engines
+        }
+        return snapshot, inputs, primary, fresh
+
+    def _count_invariants(self, engine: str, checks: list[str]) -> None:
+        for check in checks:
+            key = (engine, check)
             self._invariant_totals[key] = self._invariant_totals.get(key, 0) + 1
 
     def _account_failed(self, exc: BaseException) -> None:
@@ -458,25 +424,8 @@ class Collector:
         self._mark_down(r, "invalid", message)
         r.health.last_success = r.accounted_at  # an invalid poll is no success
 
-    def _count_limited(self, engine: str, counts: dict[tuple[str, str], int]) -> None:
+    def _count_limited(self, engine: str, counts: LimitCounts) -> None:
         for (label, action), n in counts.items():
             key = (engine, label, action)
             self._limited_totals[key] = self._limited_totals.get(key, 0) + n
 
-
-def _alone(account: EngineAccount, snapshot: Snapshot) -> Accounts:
-    """Accounts holding one engine only (and its budget terms), to render it alone."""
-    return Accounts([account], [], budget_terms([account.facts]), None, [], snapshot.sharing, snapshot.taken_at)
-
-
-def check_renderable(accounts: Accounts) -> None:
-    """Raise ValueError unless every catalogue sample of ``accounts`` can be exported: a
-    finite number and label values that are text (UTF-8 encodable, no NUL)."""
-    for spec in CATALOG:
-        for labels, value in spec.samples(accounts):
-            if not math.isfinite(value):
-                raise ValueError(f"{spec.name}: value {value!r} is not finite")
-            for label in labels:
-                if not isinstance(label, str) or "\x00" in label:
-                    raise ValueError(f"{spec.name}: label value {label!r} is not text")
-                label.encode("utf-8")

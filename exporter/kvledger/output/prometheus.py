@@ -92,9 +92,9 @@ _HEADERS = {
 def render_text(accounts: Accounts | None, process_registry: CollectorRegistry | None = None) -> bytes:
     """The catalogue's families in the text exposition format 0.0.4.
 
-    The collector only publishes Accounts it has rendered engine by engine
-    (``collector.check_renderable``); should a family still fail, it is left empty and
-    logged rather than failing the whole scrape."""
+    The collector only publishes Accounts it has checked engine by engine
+    (``check_renderable``); should a family still fail, it is left empty and logged
+    rather than failing the whole scrape."""
     out: list[str] = []
     for spec in CATALOG:
         out.append(_HEADERS[spec.name])
@@ -117,6 +117,23 @@ def render_text(accounts: Accounts | None, process_registry: CollectorRegistry |
     if process_registry is not None:
         body += generate_latest(process_registry)
     return body
+
+
+def check_renderable(accounts: Accounts) -> None:
+    """Raise ValueError unless every catalogue sample of ``accounts`` can be exported: a
+    finite number and label values that are text (UTF-8 encodable, no NUL).
+
+    The render check the collector asks of the output side, for each engine alone
+    (``collect.accounting.account_snapshot``): an engine that fails it is marked down
+    (``invalid``) instead of breaking the exposition of the others."""
+    for spec in CATALOG:
+        for labels, value in spec.samples(accounts):
+            if not math.isfinite(value):
+                raise ValueError(f"{spec.name}: value {value!r} is not finite")
+            for label in labels:
+                if not isinstance(label, str) or "\x00" in label:
+                    raise ValueError(f"{spec.name}: label value {label!r} is not text")
+                label.encode("utf-8")
 
 
 def process_registry() -> CollectorRegistry:
