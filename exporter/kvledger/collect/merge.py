@@ -28,7 +28,7 @@ import dataclasses
 from typing import TypeVar
 
 from kvledger.collect.engine_kinds import KINDS
-from kvledger.collect.sources.base import Contribution, EngineContribution, EnginePatch, GpuContribution, find_engine
+from kvledger.collect.sources.base import Contribution, EngineContribution, find_engine
 from kvledger.config.model import EngineConfig
 from kvledger.model.facts import Budgets, EngineFacts, HostFacts, Limit, MemoryTerm, Snapshot, TenantQuota
 
@@ -115,14 +115,12 @@ def merge(engine: EngineFacts, configured: EngineFacts) -> EngineFacts:
 
 def apply_contribution(snapshot: Snapshot, contribution: Contribution) -> None:
     """Apply one source's contribution to the Snapshot being assembled: an engine's primary
-    facts merged over its configured facts (``merge``), or a patch or the GPUs as given."""
+    facts merged over its configured facts (``merge``); any other (a patch, the GPUs) applies itself."""
     if isinstance(contribution, EngineContribution):
         base = find_engine(snapshot, contribution.facts.name)
         if base is not None:
             snapshot.engines[snapshot.engines.index(base)] = merge(contribution.facts, base)
         else:
             snapshot.engines.append(dataclasses.replace(contribution.facts))
-    elif isinstance(contribution, EnginePatch | GpuContribution):
-        contribution.apply(snapshot)
     else:
-        raise TypeError(f"not a contribution: {type(contribution).__name__}")
+        contribution.apply(snapshot)

@@ -38,6 +38,11 @@ class Contribution:
     #: primaries (the engine's main facts) are applied before patches
     order: int = 1
 
+    def apply(self, snapshot: Snapshot) -> None:
+        """Add this contribution's facts to the Snapshot (a patch, the GPUs). An engine's
+        primary facts (``EngineContribution``) are merged by the collector instead."""
+        raise NotImplementedError(f"{type(self).__name__} does not apply itself")
+
 
 def find_engine(snapshot: Snapshot, name: str) -> EngineFacts | None:
     for engine in snapshot.engines:
