@@ -19,17 +19,31 @@ from typing import Any
 import pytest
 
 from kvledger.cli import main
-from kvledger.model.block_bytes import ModelConfigError, count_weights, kv_shape, layer_pools, layer_windows
+from kvledger.model.block_bytes import (
+    ModelConfigError,
+    count_weights,
+    kv_shape,
+    layer_pools,
+    layer_types,
+    layer_windows,
+    linear_attention_state_bytes,
+)
 from kvledger.policy.reservations import reservation_blocks, window_blocks
 from kvledger.policy.sizing import (
     GroupShape,
+    TypePage,
     breaking_term,
+    engine_request_blocks,
+    hybrid_attention_block_size,
     kv_pool_left,
     layer_group_count,
     layer_group_size,
+    layer_groups,
     max_shape_request_blocks,
     pool_blocks,
+    state_blocks_per_request,
     time_weighted_request_blocks,
+    unified_pages,
     worst_case_concurrency,
 )
 from kvledger.tools.plan import GPUS, ModelPlanInput, PlanError, parse_lengths, parse_live, parse_term, plan_from_live, plan_from_model
@@ -83,6 +97,48 @@ GEMMA_2_9B: dict[str, Any] = {
     "num_hidden_layers": 42, "num_key_value_heads": 8, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
     "rope_theta": 10000.0, "sliding_window": 4096, "sliding_window_size": 4096, "torch_dtype": "float32",
     "vocab_size": 256000,
+}
+# openai/gpt-oss-120b config.json (36 layers, a 128-token window on the even ones, 8 KV heads of
+# 64; MoE experts in MXFP4)
+GPT_OSS_120B: dict[str, Any] = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "experts_per_token": 4, "head_dim": 64,
+    "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 18, "max_position_embeddings": 131072,
+    "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 36,
+    "num_key_value_heads": 8, "num_local_experts": 128,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                        "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "vocab_size": 201088,
+}
+# google/gemma-3-27b-it config.json (multimodal; the text model: 62 layers, 16 KV heads of 128, a
+# 1024-token window, every 6th layer global: transformers' default sliding_window_pattern)
+GEMMA_3_27B_IT: dict[str, Any] = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "mm_tokens_per_image": 256, "model_type": "gemma3",
+    "text_config": {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504, "model_type": "gemma3_text",
+                    "num_attention_heads": 32, "num_hidden_layers": 62, "num_key_value_heads": 16,
+                    "query_pre_attn_scalar": 168, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "torch_dtype": "bfloat16",
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                      "patch_size": 14, "vision_use_head": False},
+}
+# Qwen/Qwen3-Next-80B-A3B-Instruct config.json (48 layers: full attention every 4th, Gated DeltaNet
+# linear attention otherwise; 2 KV heads of 256)
+QWEN3_NEXT_80B: dict[str, Any] = {
+    "architectures": ["Qwen3NextForCausalLM"], "attention_bias": False, "decoder_sparse_step": 1,
+    "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048,
+    "intermediate_size": 5120, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32, "linear_value_head_dim": 128, "max_position_embeddings": 262144,
+    "mlp_only_layers": [], "model_type": "qwen3_next", "moe_intermediate_size": 512, "norm_topk_prob": True,
+    "num_attention_heads": 16, "num_experts": 512, "num_experts_per_tok": 10, "num_hidden_layers": 48,
+    "num_key_value_heads": 2, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 10000000, "shared_expert_intermediate_size": 512, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 151936,
 }
 # the tiny model of tests/vllm_real/make_tiny_model.py (LlamaConfig as it writes it)
 TINY: dict[str, Any] = {
@@ -300,6 +356,151 @@ def test_hybrid_layer_groups_as_vllm_forms_them() -> None:
     assert layer_group_size([10, 52]) == 10 and layer_group_count(52, 10) == 6
     # gpt-oss-20b + eagle in vLLM's comment: 12 sliding + 13 full: groups of 13
     assert layer_group_size([12, 13]) == 13
+
+
+# ---------------------------------------------------------------- hybrid models: one pool, unified pages
+
+GOLDEN = ROOT / "tests" / "fixtures" / "plan" / "vllm-0.32-hybrid-blocks.json"
+GOLDEN_CASES = json.loads(GOLDEN.read_text())["cases"]
+
+
+def test_layer_types_as_transformers_and_vllm_derive_them() -> None:
+    # gpt-oss: vLLM slides on the even layers (models/gpt_oss.py), as the published layer_types say
+    assert layer_types(GPT_OSS_120B)[:3] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert layer_types({**GPT_OSS_120B, "layer_types": None}) == layer_types(GPT_OSS_120B)
+    # Gemma 3 27B publishes no pattern: transformers' default 6, every 6th layer global (10 of 62)
+    g3 = layer_types(GEMMA_3_27B_IT)
+    assert len(g3) == 62 and [i for i, t in enumerate(g3) if t == "full_attention"] == list(range(5, 62, 6))
+    # Qwen3-Next: full_attention_interval 4: layers 3, 7, ..., 47 full, the other 36 linear
+    q = layer_types(QWEN3_NEXT_80B)
+    assert [i for i, t in enumerate(q) if t == "full_attention"] == list(range(3, 48, 4))
+    assert q.count("linear_attention") == 36
+    with pytest.raises(ModelConfigError, match="linear_attention"):
+        layer_windows(QWEN3_NEXT_80B)
+    with pytest.raises(ModelConfigError, match="full_attention_interval"):
+        layer_types({**QWEN3_NEXT_80B, "full_attention_interval": 0})
+
+
+def test_linear_attention_state_of_qwen3_next() -> None:
+    # vLLM's gated_delta_net_state_shape: conv (kernel 4 - 1) x (2 x 16 x 128 + 32 x 128 = 8,192),
+    # recurrent 32 x 128 x 128 = 524,288; bf16: 3 x 8,192 x 2 + 524,288 x 2 = 1,097,728 B per layer
+    assert linear_attention_state_bytes(QWEN3_NEXT_80B) == 1_097_728
+    # the recurrent state in fp32: 49,152 + 2,097,152
+    assert linear_attention_state_bytes(QWEN3_NEXT_80B, ssm_dtype="float32") == 2_146_304
+    # TP 4: both split by 4
+    assert linear_attention_state_bytes(QWEN3_NEXT_80B, 4) == 1_097_728 // 4
+    with pytest.raises(ModelConfigError, match="tensor-parallel"):
+        linear_attention_state_bytes(QWEN3_NEXT_80B, 3)
+    pools = layer_pools(QWEN3_NEXT_80B)
+    assert [(p.id, p.layers, p.is_state) for p in pools] == [("full", 12, False), ("linear-attention", 36, True)]
+    assert pools[0].bytes_per_layer_token_per_gpu == 2 * 2 * 256 * 2  # 2,048 B: K and V of 2 heads of 256
+    # their weights are not counted (a linear-attention layer is not an attention layer)
+    with pytest.raises(ModelConfigError, match="linear_attention"):
+        count_weights(QWEN3_NEXT_80B)
+
+
+def test_unified_pages_as_vllm_makes_them() -> None:
+    # Qwen3-Next-80B, B 16: 16 x ceil(1,097,728 / (16 x 2,048)) = 16 x 34 = 544 tokens (vLLM logs
+    # "Setting attention block size to 544 tokens"); the state padded to 544 x 2,048 = 1,114,112 B
+    assert hybrid_attention_block_size(16, 2048, 1_097_728) == 544
+    b, pages = unified_pages(16, [2048, None], [None, 1_097_728])
+    assert b == 544
+    assert pages == [TypePage(544, 1_114_112, 0), TypePage(544, 1_114_112, 16_384)]  # padded 1.49 %
+    # the tiny Qwen3-Next of the real suite (fp32 recurrent state, B 32): 544 tokens, padded 3.82 %
+    b, pages = unified_pages(32, [None, 256], [134_144, None])
+    assert b == 544 and pages[0] == TypePage(544, 139_264, 5_120)
+    # attention only: nothing changes; a page that divides the largest scales its block size,
+    # one that does not is padded (vLLM's unify_kv_cache_spec_page_size)
+    assert unified_pages(16, [4096, 4096], [None, None]) == (16, [TypePage(16, 65_536, 0)] * 2)
+    assert unified_pages(16, [1024, 4096], [None, None])[1][0] == TypePage(64, 65_536, 0)
+    assert unified_pages(16, [3072, 4096], [None, None])[1][0] == TypePage(16, 65_536, 16_384)
+    assert state_blocks_per_request("align") == 2 and state_blocks_per_request("none", 1) == 2
+
+
+def test_layer_groups_in_vllms_order() -> None:
+    # the tiny Gemma 3 of VLLM_CPU.md: g0 sliding (0, 3), g1 sliding (1, 4), g2 full (2, 5)
+    assert layer_groups(["s", "s", "f", "s", "s", "f"]) == [("s", (0, 3)), ("s", (1, 4)), ("f", (2, 5))]
+    # Gemma 3 27B: 52 sliding layers in 6 groups of at most 10 (9, 9, 9, 9, 8, 8: 8 padding layers)
+    groups = layer_groups(layer_types(GEMMA_3_27B_IT))
+    assert [len(v) for _k, v in groups] == [9, 9, 9, 9, 8, 8, 10]
+    # Qwen3-Next: the first layer is linear: three linear groups, then the full one
+    groups = layer_groups(layer_types(QWEN3_NEXT_80B))
+    assert [(k, v[:2]) for k, v in groups] == [("linear_attention", (0, 4)), ("linear_attention", (1, 5)),
+                                               ("linear_attention", (2, 6)), ("full_attention", (3, 7))]
+    # vLLM's per-request blocks at L: full ceil(L / B), window ceil(min(W - 1 + f, L) / B) + 1, state 2
+    shapes = [GroupShape(None, 1, 544), GroupShape(None, 3, 544, 2)]
+    assert engine_request_blocks(shapes, 544, 262_144) == 482 + 6
+    assert engine_request_blocks([GroupShape(128, 1)], 16, 100, 2048) == 8
+
+
+def _golden_input(case: dict[str, Any]) -> ModelPlanInput:
+    i = case["inputs"]
+    return ModelPlanInput(
+        config=str(ROOT / "tests" / "fixtures" / "plan" / i["config"]), tensor_parallel=i["tensor_parallel"],
+        kv_dtype=i["kv_dtype"], block_size=i["block_size"], max_model_len=i["max_model_len"],
+        max_num_batched_tokens=i["max_num_batched_tokens"], kv_cache_memory_bytes=i["kv_cache_memory_bytes"],
+        # the weights do not enter the block count (no device is given); MXFP4, multimodal and
+        # linear-attention weights are not counted
+        weights=parse_term("1GiB:estimate", "--weights"),
+        mamba_cache_dtype=i["mamba_cache_dtype"], mamba_ssm_cache_dtype=i["mamba_ssm_cache_dtype"],
+        mamba_cache_mode=i["mamba_cache_mode"],
+    )
+
+
+@pytest.mark.parametrize("case", GOLDEN_CASES, ids=[c["id"] for c in GOLDEN_CASES])
+def test_plan_equals_vllms_own_arithmetic_for_hybrid_models(case: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    """The golden file is vLLM 0.32's kv_cache_utils run on the same inputs
+    (tests/vllm_real/vllm_kv_golden.py; the vllm suite checks it is current)."""
+    vllm = case["vllm"]
+    r = plan_from_model(_golden_input(case))
+    assert r.kv["num_blocks"] == vllm["num_blocks"]
+    assert r.kv["block_bytes_per_gpu"] == vllm["bytes_per_block"]
+    assert r.kv["block_size"] == vllm["attention_block_size"]
+    assert r.kv["engine_max_concurrency"] == pytest.approx(vllm["max_concurrency"], abs=1e-6)
+    assert [g.layers for g in r.groups] == [g["layers"] for g in vllm["kv_cache_groups"]]
+    assert [g.block_size for g in r.groups] == [g["block_size"] for g in vllm["kv_cache_groups"]]
+    assert [g.page_bytes_per_gpu for g in r.groups] == [g["page_size_bytes"] for g in vllm["kv_cache_groups"]]
+    assert [g.sliding_window for g in r.groups] == [g["sliding_window"] for g in vllm["kv_cache_groups"]]
+    assert [g.state_bytes_per_gpu for g in r.groups] == [g["state_bytes"] for g in vllm["kv_cache_groups"]]
+    if vllm["mamba_page_size_padded"] is not None:
+        padding = {g.page_padding_bytes_per_gpu for g in r.groups if g.kind == "linear_attention"}
+        assert padding == {vllm["mamba_page_size_padded"] - vllm["kv_cache_groups"][0]["state_bytes"]}
+        assert f"padded by {vllm['mamba_padding_percent']:.2f} %" in " ".join(r.notes)
+    i = case["inputs"]
+    if (i["mamba_cache_dtype"], i["mamba_ssm_cache_dtype"], i["mamba_cache_mode"]) == ("auto", "auto", "align"):
+        # the command gives the same numbers
+        code, out, _ = run(capsys, str(ROOT / "tests" / "fixtures" / "plan" / i["config"]),
+                           "--tp", str(i["tensor_parallel"]), "--kv-dtype", i["kv_dtype"],
+                           "--block-size", str(i["block_size"]), "--max-model-len", str(i["max_model_len"]),
+                           "--max-num-batched-tokens", str(i["max_num_batched_tokens"]),
+                           "--kv-cache-memory-bytes", str(i["kv_cache_memory_bytes"]), "--weights", "1GiB:estimate",
+                           "--json")
+        doc = json.loads(out)
+        assert code == 0 and doc["kv"]["num_blocks"] == vllm["num_blocks"]
+        assert [g["layers"] for g in doc["kv_cache_groups"]] == [g["layers"] for g in vllm["kv_cache_groups"]]
+
+
+def test_golden_cases_cover_the_three_large_hybrids_and_the_served_ones() -> None:
+    configs = {c["inputs"]["config"] for c in GOLDEN_CASES}
+    assert {"gpt-oss-120b-config.json", "gemma-3-27b-it-config.json", "qwen3-next-80b-a3b-config.json",
+            "tiny-gemma3-config.json", "tiny-qwen3next-config.json"} <= configs
+    by_id = {c["id"]: c["vllm"] for c in GOLDEN_CASES}
+    # what VLLM_CPU.md observed on the served tiny models (4 MiB, block size 32)
+    assert by_id["tiny-gemma3-cpu"]["num_blocks"] == 256
+    tiny_qwen = by_id["tiny-qwen3next-cpu"]
+    assert (tiny_qwen["num_blocks"], tiny_qwen["attention_block_size"], tiny_qwen["mamba_padding_percent"]) == (15, 544, 3.82)
+
+
+def test_hybrid_plan_reports_every_group(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, str(ROOT / "tests" / "fixtures" / "plan" / "qwen3-next-80b-a3b-config.json"),
+                       "--gpu", "H200", "--max-model-len", "262144", "--weights", "149GiB:estimate")
+    assert code == 0
+    assert "KV-cache groups (one block pool: a block belongs to one group at a time):" in out
+    assert re.search(r"\n\s+0 linear-attention\s+0, 4, \.\., 44 \(12\)\s+544\s+1,114,112\s+16,384\s+2\n", out), out
+    assert re.search(r"\n\s+3 full\s+3, 7, \.\., 47 \(12\)\s+544\s+1,114,112\s+0\s+482\n", out), out
+    assert "attention block size 544 tokens (from --block-size 16)" in out and "padded by 1.49 %" in out
+    # one request at its cap: 482 blocks of the full group + 2 of each of the 3 linear groups
+    assert "one request at its cap: 488 blocks" in out
 
 
 def test_window_blocks_with_in_flight_tokens() -> None:
@@ -601,7 +802,8 @@ def _run_example(command: str) -> str:
 
 def test_fixture_configs_are_the_published_values() -> None:
     for name, cfg in [("llama-3.1-8b", LLAMA_31_8B), ("llama-3.1-70b", LLAMA_31_70B), ("deepseek-v3", DEEPSEEK_V3),
-                      ("mistral-7b-v0.1", MISTRAL_7B_V01), ("gemma-2-9b", GEMMA_2_9B)]:
+                      ("mistral-7b-v0.1", MISTRAL_7B_V01), ("gemma-2-9b", GEMMA_2_9B), ("gpt-oss-120b", GPT_OSS_120B),
+                      ("gemma-3-27b-it", GEMMA_3_27B_IT), ("qwen3-next-80b-a3b", QWEN3_NEXT_80B)]:
         assert json.loads((ROOT / "tests" / "fixtures" / "plan" / f"{name}-config.json").read_text()) == cfg, name
 
 

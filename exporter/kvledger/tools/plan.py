@@ -18,6 +18,7 @@ term under it is measured, configured or counted, ``estimate`` when one is an es
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -39,13 +40,19 @@ from kvledger.policy.sizing import (
     PLAN_TERM_ORDER,
     GroupShape,
     breaking_term,
+    engine_max_concurrency,
+    engine_request_blocks,
+    engine_token_capacity,
     expected_concurrency,
     kv_pool_left,
-    layer_group_count,
     layer_group_size,
+    layer_groups,
     max_shape_request_blocks,
     pool_blocks,
+    state_block_size,
+    state_blocks_per_request,
     time_weighted_request_blocks,
+    unified_pages,
     worst_case_concurrency,
 )
 
@@ -150,6 +157,23 @@ class PoolReport:
 
 
 @dataclass
+class GroupReport:
+    """One KV-cache group as vLLM forms it: a block table over some layers of one type."""
+
+    index: int
+    pool: str  # the layer type's pool id (full, sliding-W, linear-attention)
+    kind: str  # full_attention | sliding_attention | linear_attention
+    sliding_window: int | None
+    layers: list[int]  # the model's layer indices in this group
+    padding_layers: int  # layers the group lacks to the group size
+    block_size: int  # tokens per block (a state group: the attention block size)
+    page_bytes_per_gpu: int  # one block of one of its layers on one GPU (padded)
+    page_padding_bytes_per_gpu: int
+    state_bytes_per_gpu: int | None  # one sequence's state of one layer (state groups)
+    blocks_per_request_at_cap: int
+
+
+@dataclass
 class Report:
     origin: str  # "model" or "live"
     source: str  # the config path or the URL
@@ -163,6 +187,7 @@ class Report:
     concurrency: dict[str, Any]
     verdict: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    groups: list[GroupReport] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -172,6 +197,7 @@ class Report:
             "shapes": self.shapes,
             "weights": self.weights,
             "pools": [dataclasses.asdict(p) for p in self.pools],
+            "kv_cache_groups": [dataclasses.asdict(g) for g in self.groups],
             "budget": {
                 "per_gpu": True,
                 "terms": [dataclasses.asdict(t) for t in self.terms],
@@ -288,6 +314,12 @@ class ModelPlanInput:
     lengths: tuple[tuple[int, int, int], ...] = ()
     lengths_spec: str | None = None
     min_concurrency: int | None = None
+    # linear-attention (Mamba-style) state layers: vLLM's --mamba-cache-dtype (conv state),
+    # --mamba-ssm-cache-dtype (recurrent state; auto: the conv state's), and its mamba cache
+    # mode: "align" with prefix caching (vLLM's default), "none" without
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
+    mamba_cache_mode: str = "align"
 
 
 def device_memory(gpu: str | None, gpu_memory: int | None) -> tuple[int | None, dict[str, Any]]:
@@ -308,7 +340,8 @@ def plan_from_model(inp: ModelPlanInput) -> Report:
     try:
         cfg = load_model_config(inp.config)
         shape = kv_shape(cfg, inp.kv_dtype)
-        pools = layer_pools(cfg, inp.kv_dtype, inp.tensor_parallel)
+        pools = layer_pools(cfg, inp.kv_dtype, inp.tensor_parallel, mamba_cache_dtype=inp.mamba_cache_dtype,
+                            mamba_ssm_cache_dtype=inp.mamba_ssm_cache_dtype, speculative_tokens=inp.speculative_tokens)
         weights = None if inp.weights is not None else count_weights(cfg, inp.tensor_parallel, inp.weights_dtype)
     except ModelConfigError as exc:
         raise PlanError(f"{inp.config}: {exc}") from None
@@ -321,21 +354,47 @@ def plan_from_model(inp: ModelPlanInput) -> Report:
     in_flight = inp.in_flight_batches * batched
     total, device = device_memory(inp.gpu, inp.gpu_memory)
 
-    # pools (layer types) and the shared block pool of their layer groups
+    # pools (layer types), their pages made equal, and the layer groups sharing one block pool
+    if inp.mamba_cache_mode not in ("align", "none"):
+        raise PlanError(f"mamba cache mode {inp.mamba_cache_mode!r}: expected align (prefix caching) or none")
+    has_state = any(p.is_state for p in pools)
+    b, pages = unified_pages(b, [None if p.is_state else p.bytes_per_layer_token_per_gpu for p in pools],
+                             [p.state_bytes_per_layer_per_gpu for p in pools])
+    layer_pool = [0] * sum(p.layers for p in pools)
+    for index, p in enumerate(pools):
+        for layer in p.layer_indices:
+            layer_pool[layer] = index
+    groups = [(k, list(v)) for k, v in layer_groups(layer_pool)]
     size = layer_group_size([p.layers for p in pools])
-    shapes = [GroupShape(p.sliding_window, layer_group_count(p.layers, size)) for p in pools]
-    per_layer = pools[0].bytes_per_layer_token_per_gpu
-    engine_block_per_gpu = size * per_layer * b
+    state_blocks = state_blocks_per_request(inp.mamba_cache_mode, inp.speculative_tokens)
+    shapes = [GroupShape(p.sliding_window, sum(1 for k, _v in groups if k == i), page.block_size,
+                         state_blocks if p.is_state else None)
+              for i, (p, page) in enumerate(zip(pools, pages, strict=True))]
+    engine_block_per_gpu = max(len(layers) * pages[k].page_bytes for k, layers in groups)
+
+    def at_cap(g: GroupShape) -> int:
+        return max_shape_request_blocks([g], b, max_len, contexts=inp.n, speculative_slots=inp.speculative_tokens,
+                                        in_flight_tokens=in_flight)
+
     pool_reports = []
-    for p, g in zip(pools, shapes, strict=True):
-        at_cap = max_shape_request_blocks([g], b, max_len, contexts=inp.n, speculative_slots=inp.speculative_tokens,
-                                          in_flight_tokens=in_flight)
+    for p, g, page in zip(pools, shapes, pages, strict=True):
+        per_token = None if p.is_state else p.bytes_per_token_per_gpu
         pool_reports.append(PoolReport(
             id=p.id, layers=p.layers, sliding_window=p.sliding_window, layer_groups=g.groups,
-            bytes_per_token=p.bytes_per_token_per_gpu * tp, bytes_per_token_per_gpu=p.bytes_per_token_per_gpu,
-            block_bytes=p.bytes_per_token_per_gpu * b * tp, block_bytes_per_gpu=p.bytes_per_token_per_gpu * b,
-            blocks_per_request_at_cap=at_cap,
+            bytes_per_token=None if per_token is None else per_token * tp, bytes_per_token_per_gpu=per_token,
+            block_bytes=page.page_bytes * p.layers * tp, block_bytes_per_gpu=page.page_bytes * p.layers,
+            blocks_per_request_at_cap=at_cap(g),
         ))
+    group_reports = [
+        GroupReport(
+            index=i, pool=pools[k].id, kind=pools[k].kind, sliding_window=pools[k].sliding_window, layers=layers,
+            padding_layers=size - len(layers), page_bytes_per_gpu=pages[k].page_bytes,
+            block_size=state_block_size(b, inp.mamba_cache_mode, max_len) if pools[k].is_state else pages[k].block_size,
+            page_padding_bytes_per_gpu=pages[k].padding_bytes, state_bytes_per_gpu=pools[k].state_bytes_per_layer_per_gpu,
+            blocks_per_request_at_cap=at_cap(dataclasses.replace(shapes[k], groups=1)),
+        )
+        for i, (k, layers) in enumerate(groups)
+    ]
     per_request = max_shape_request_blocks(shapes, b, max_len, contexts=inp.n, speculative_slots=inp.speculative_tokens,
                                            in_flight_tokens=in_flight)
 
@@ -381,7 +440,7 @@ def plan_from_model(inp: ModelPlanInput) -> Report:
 
     kv: dict[str, Any] = {
         "pool_bytes_per_gpu": kv_bytes, "pool_source": kv_source, "basis": kv_basis,
-        "block_size": b, "layer_group_size": size, "layer_groups": sum(g.groups for g in shapes),
+        "block_size": b, "layer_group_size": size, "layer_groups": len(groups),
         "block_bytes_per_gpu": engine_block_per_gpu, "block_bytes": engine_block_per_gpu * tp,
         "blocks_per_request_at_cap": per_request, "min_pool_bytes_per_gpu": min_kv,
     }
@@ -390,8 +449,14 @@ def plan_from_model(inp: ModelPlanInput) -> Report:
     if kv_bytes is not None:
         blocks = pool_blocks(kv_bytes, engine_block_per_gpu)
         usable = max(0, blocks - NULL_BLOCKS)
-        groups_total = sum(g.groups for g in shapes)
-        kv.update(num_blocks=blocks, usable_blocks=usable, token_capacity=usable // groups_total * b)
+        # tokens when every block holds tokens of one attention group; with state groups a
+        # request also holds state blocks, so only the engine's own figure is given
+        token_capacity = None if has_state else usable // len(groups) * b
+        engine_request = engine_request_blocks(shapes, b, max_len, in_flight)
+        kv.update(num_blocks=blocks, usable_blocks=usable, token_capacity=token_capacity,
+                  engine_blocks_per_request_at_max_model_len=engine_request,
+                  engine_max_concurrency=round(engine_max_concurrency(blocks, engine_request), 6),
+                  engine_token_capacity=engine_token_capacity(blocks, engine_request, max_len))
         worst = worst_case_concurrency(usable, per_request, inp.max_num_seqs)
         fit = worst_case_concurrency(usable, per_request, None)
         concurrency["reserve_cap"] = {
@@ -420,18 +485,32 @@ def plan_from_model(inp: ModelPlanInput) -> Report:
     if weights is not None:
         notes.append(f"weights counted from {Path(inp.config).name}: {weights.params:,} parameters, {weights.dtype}"
                      + (f", {weights.quantization}" if weights.quantization else ""))
-    if size * len(pools) != sum(p.layers for p in pools) or any(p.layers % size for p in pools):
-        padded = sum(g.groups for g in shapes) * size - sum(p.layers for p in pools)
-        if padded:
-            notes.append(f"{padded} padding layer(s): every layer group has {size} layers")
+    padded = sum(g.padding_layers for g in group_reports)
+    if padded:
+        notes.append(f"{padded} padding layer(s): every layer group has {size} layers")
+    for p, page in zip(pools, pages, strict=True):
+        if p.is_state and p.state_bytes_per_layer_per_gpu is not None:
+            raised = f"attention block size {b} tokens (from --block-size {inp.block_size}) so that o" if b != inp.block_size else "o"
+            notes.append(
+                f"{raised}ne attention page ({page.page_bytes:,} B per layer per GPU) holds one {p.id} state "
+                f"({p.state_bytes_per_layer_per_gpu:,} B), padded by {100 * page.padding_bytes / p.state_bytes_per_layer_per_gpu:.2f} %"
+            )
+        elif page.padding_bytes:
+            notes.append(f"{p.id}: pages padded by {page.padding_bytes:,} B to the largest page ({page.page_bytes:,} B)")
+    plan_shapes: dict[str, Any] = {
+        "tensor_parallel": tp, "kv_dtype": inp.kv_dtype, "block_size": inp.block_size, "max_model_len": max_len,
+        "max_num_seqs": inp.max_num_seqs, "max_num_batched_tokens": batched,
+        "speculative_tokens": inp.speculative_tokens, "n": inp.n,
+        "in_flight_batches": inp.in_flight_batches, "in_flight_tokens": in_flight,
+    }
+    if has_state:
+        plan_shapes.update(mamba_cache_dtype=inp.mamba_cache_dtype, mamba_ssm_cache_dtype=inp.mamba_ssm_cache_dtype,
+                           mamba_cache_mode=inp.mamba_cache_mode)
     return Report(
         origin="model",
         source=inp.config,
         device=device,
-        shapes={"tensor_parallel": tp, "kv_dtype": inp.kv_dtype, "block_size": b, "max_model_len": max_len,
-                "max_num_seqs": inp.max_num_seqs, "max_num_batched_tokens": batched,
-                "speculative_tokens": inp.speculative_tokens, "n": inp.n,
-                "in_flight_batches": inp.in_flight_batches, "in_flight_tokens": in_flight},
+        shapes=plan_shapes,
         weights=None if weights is None else {
             "bytes_per_gpu": weights.bytes_per_gpu, "bytes": weights.bytes, "params": weights.params,
             "dtype": weights.dtype, "quantization": weights.quantization, "source": "counted",
@@ -444,6 +523,7 @@ def plan_from_model(inp: ModelPlanInput) -> Report:
         concurrency=concurrency,
         verdict=verdict,
         notes=notes,
+        groups=group_reports,
     )
 
 
@@ -676,6 +756,13 @@ def render_table(r: Report) -> str:
     for p in r.pools:
         add(f"  {p.id:<16} {_d(p.layers):>6} {_d(p.sliding_window):>7} {_d(p.layer_groups):>6} {_d(p.bytes_per_token):>10} "
             f"{_d(p.bytes_per_token_per_gpu):>12} {_d(p.block_bytes):>12} {_d(p.blocks_per_request_at_cap):>13}")
+    if len(r.groups) > 1:
+        add("")
+        add("KV-cache groups (one block pool: a block belongs to one group at a time):")
+        add(f"  {'group':>5} {'pool':<16} {'layers':<28} {'B':>6} {'page B/GPU':>12} {'padding':>9} {'blocks at cap':>13}")
+        for g in r.groups:
+            add(f"  {g.index:>5} {g.pool:<16} {_layers(g.layers, g.padding_layers):<28} {g.block_size:>6,} "
+                f"{g.page_bytes_per_gpu:>12,} {g.page_padding_bytes_per_gpu:>9,} {g.blocks_per_request_at_cap:>13,}")
     add("")
     others = " + other_engines" if any(t.category == "other_engines" for t in r.terms) else ""
     add(f"budget per GPU (weights + workspace + runtime_buffers + reserve{others} + kv_pool <= total):")
@@ -700,6 +787,10 @@ def render_table(r: Report) -> str:
         add(f"  blocks: {kv['usable_blocks']:,} usable")
     if kv.get("token_capacity") is not None:
         add(f"  token capacity: {kv['token_capacity']:,} tokens")
+    if len(r.groups) > 1 and kv.get("engine_max_concurrency") is not None:
+        add(f"  as vLLM sizes it: {kv['engine_token_capacity']:,} tokens, maximum concurrency "
+            f"{kv['engine_max_concurrency']:.2f}x for {r.shapes['max_model_len']:,} tokens per request "
+            f"({kv['engine_blocks_per_request_at_max_model_len']:,} blocks each)")
     add(f"  one request at its cap: {kv['blocks_per_request_at_cap']:,} blocks")
     c = r.concurrency
     if c.get("reserve_cap") is not None:
@@ -729,3 +820,12 @@ def render_table(r: Report) -> str:
 
 def _d(v: int | None) -> str:
     return "-" if v is None else f"{v:,}"
+
+
+def _layers(layers: Sequence[int], padding: int) -> str:
+    """Layer indices, an arithmetic run of four or more shortened to 'a, b, .., z (n)'."""
+    if len(layers) >= 4 and len({b - a for a, b in itertools.pairwise(layers)}) == 1:
+        text = f"{layers[0]}, {layers[1]}, .., {layers[-1]} ({len(layers)})"
+    else:
+        text = ", ".join(map(str, layers))
+    return text + (f" +{padding} pad" if padding else "")
