@@ -1,7 +1,8 @@
 """Mutations of an engine's Prometheus exposition, for the fuzz suites of the adapters that
 read one (tests/test_fuzz_{sglang,trtllm,triton_trtllm,tgi}_text.py): sample values replaced
-by nan/inf/negative/huge/fractional text, label values mangled, lines dropped, duplicated or
-swapped, the body truncated. ``check_adapter`` runs one adapter over one mutation: it must
+by nan/inf/negative/huge/fractional text, label values mangled, timestamps appended (312
+digits overflow prometheus_client's ``int / 1000``), lines dropped, duplicated or swapped,
+the body truncated. ``check_adapter`` runs one adapter over one mutation: it must
 raise its documented SourceError or return facts within the protocol's ranges that account
 and render cleanly (fuzz_support)."""
 
@@ -20,6 +21,8 @@ from kvledger.model.facts import EngineFacts
 
 VALUES = ("nan", "NaN", "+Inf", "-Inf", "-1", "-0.5", "0", "1", "1.5", "2.5", "16", "1e308", "-1e308",
           "9007199254740993", "1e20", "9" * 400, "0x10", "", "abc", "4294967297", "1073741825")
+#: sample timestamps (milliseconds): far beyond a double, a float past its range, garbage
+TIMESTAMPS = ("9" * 312, "-" + "9" * 312, "9" * 5000, "1e400", "1700000000000", "0", "-1", "1.5", "abc")
 LABEL_VALUES = ("0", "1", "01", "-1", "1024", "9" * 5000, "\u00b2", "", "x", "None", "1.5", " 3 ", "é")
 _SAMPLE = re.compile(r"^(?P<series>[a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) (?P<value>\S+)(?P<rest>.*)$")
 _LABEL = re.compile(r'(?P<name>[a-zA-Z_][a-zA-Z0-9_]*)="(?P<value>[^"]*)"')
@@ -30,7 +33,7 @@ def mutated(draw: st.DrawFn, captures: Mapping[str, str], prefix: str) -> str:
     """A capture with 1..4 mutations; samples whose name starts with ``prefix`` are favoured."""
     lines = captures[draw(st.sampled_from(sorted(captures)))].split("\n")
     for _ in range(draw(st.integers(1, 4))):
-        kind = draw(st.integers(0, 6))
+        kind = draw(st.integers(0, 7))
         samples = [i for i, line in enumerate(lines) if not line.startswith("#") and _SAMPLE.match(line)]
         if kind <= 2 and samples:
             ours = [i for i in samples if lines[i].startswith(prefix)] or samples
@@ -49,6 +52,11 @@ def mutated(draw: st.DrawFn, captures: Mapping[str, str], prefix: str) -> str:
         elif kind == 5 and lines:
             i = draw(st.integers(0, len(lines) - 1))
             lines.insert(draw(st.integers(0, len(lines))), lines[i])
+        elif kind == 6 and samples:
+            i = draw(st.sampled_from(samples))
+            m = _SAMPLE.match(lines[i])
+            assert m is not None
+            lines[i] = f"{m['series']} {m['value']} {draw(st.sampled_from(TIMESTAMPS))}"
         else:
             text = "\n".join(lines)
             lines = text[: draw(st.integers(0, len(text)))].split("\n")

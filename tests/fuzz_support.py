@@ -4,7 +4,9 @@ Every parser under fuzz either raises its documented error or returns facts; acc
 facts must hold only numbers the protocol allows (``assert_facts_in_range``) and must go
 through the whole pipeline: ``compute_accounts`` over a Snapshot holding them beside a
 healthy engine, ``render_text``, and prometheus_client's text parser
-(``assert_exports_cleanly``).
+(``assert_exports_cleanly``). Every exported number, sums and counters included, is then
+within [-(2**53 - 1), 2**53 - 1], or the exposition check (``check_renderable``) refuses
+the engine, which the collector marks invalid: nothing is exported rounded.
 
 Example counts: ``FUZZ_EXAMPLES`` per test (200 by default; ``make fuzz`` sets
 ``KVLEDGER_FUZZ_EXAMPLES=10000``). Under ``CI`` the conftest's derandomized profile
@@ -23,12 +25,13 @@ from typing import Any
 from hypothesis import HealthCheck, settings
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvledger.model.accounts import Accounts
+from kvledger.collect.accounting import alone
+from kvledger.model.accounts import Accounts, EngineAccount
 from kvledger.model.block_refs import BlockRefArray
 from kvledger.model.facts import EngineFacts, GpuFacts, PoolFacts, RequestFacts, Snapshot, SourceHealth
 from kvledger.model.limits import MAX_SAFE_INT
 from kvledger.model.request_table import RequestTable
-from kvledger.output.prometheus import render_text
+from kvledger.output.prometheus import check_renderable, render_text
 from kvledger.policy.engine_accounts import compute_accounts
 
 FUZZ_EXAMPLES = int(os.environ.get("KVLEDGER_FUZZ_EXAMPLES", "200"))
@@ -125,4 +128,18 @@ def assert_exports_cleanly(facts: EngineFacts, sharing: str = "per-request") -> 
         assert math.isfinite(value), f"{name}{labels} = {value}"
     healthy = [s for s in samples if s[1].get("engine") == "healthy"]
     assert healthy, "the healthy engine lost its series"
+    if not exported_alone(accounts.engines[0], snapshot):
+        return accounts  # the collector marks the engine invalid: none of its numbers is exported
+    for name, labels, value in samples:
+        assert abs(value) <= MAX_SAFE_INT, f"{name}{labels} = {value!r}: beyond 2**53 - 1, yet renderable"
     return accounts
+
+
+def exported_alone(engine: EngineAccount, snapshot: Snapshot) -> bool:
+    """Whether the exposition check lets ``engine`` be exported, asked as the collector asks
+    it (each engine alone, with its budget terms); False: the engine is invalid."""
+    try:
+        check_renderable(alone(engine, snapshot))
+    except ValueError:
+        return False
+    return True

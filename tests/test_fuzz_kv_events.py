@@ -4,7 +4,8 @@ Payloads: random msgpack-able structures, random bytes, and mutations of valid b
 both encodings (tagged arrays, 0.10-0.12; maps with "type", current), including the
 captured vLLM 0.32 stream. Each case: ``decode_batch`` raises only EventDecodeError;
 ``KvEventState.receive`` never raises (the subscriber thread must survive anything),
-its snapshot holds only counts in range, and the counts merged into an engine's facts
+its snapshot holds only counts in range (sequence numbers up to 2**63 - 1 included: a jump
+adds at most ``MAX_SEQ_GAP`` lost batches), and the counts merged into an engine's facts
 account and render cleanly.
 """
 
@@ -133,8 +134,10 @@ def _replay_from(history: list[tuple[int, bytes]]) -> Any:
     return replay
 
 
-def _check_snapshot(snap: events_state.KvEventsSnapshot, received: int) -> None:
+def _check_snapshot(snap: events_state.KvEventsSnapshot, received: int, replayed: int = 0) -> None:
     assert snap.received == received and snap.lost >= 0 and snap.decode_errors >= 0 and snap.overflows >= 0
+    # every batch received or replayed adds at most MAX_SEQ_GAP lost ones (a jump: one)
+    assert snap.lost <= (received + replayed) * events_state.MAX_SEQ_GAP, snap
     for rank, count in snap.cached_blocks.items():
         assert 0 <= rank <= events_wire.MAX_DP_RANK
         assert count is None or 0 <= count
@@ -149,11 +152,17 @@ def streams(draw: st.DrawFn) -> list[tuple[int, bytes]]:
         batches = draw(st.lists(st.one_of(valid_batches().map(msgpack.packb), payloads()), max_size=12))
         start = draw(st.sampled_from([0, 0, 0, 1, 5]))
         return [(start + i, p) for i, p in enumerate(batches)]
-    return draw(st.lists(st.tuples(st.integers(-3, 40), payloads()), max_size=12))
+    seqs = st.one_of(st.integers(-3, 40), st.sampled_from(_JUMPS))
+    return draw(st.lists(st.tuples(seqs, payloads()), max_size=12))
+
+
+#: sequence numbers no gap reaches: a corrupt or restarted publisher's
+_JUMPS = (2**63 - 1, 2**62, events_state.MAX_SEQ_GAP + 2, events_state.MAX_SEQ_GAP + 41, 2**32)
 
 
 @FUZZ
-@given(streams(), st.booleans(), st.lists(st.tuples(st.integers(0, 40), payloads()), max_size=5))
+@given(streams(), st.booleans(),
+       st.lists(st.tuples(st.one_of(st.integers(0, 40), st.sampled_from(_JUMPS)), payloads()), max_size=5))
 def test_fuzz_ledger_stream(stream: list[tuple[int, bytes]], with_replay: bool, history: list[tuple[int, bytes]]) -> None:
     ledger = KvEventState(_replay_from(history) if with_replay else None)
     if with_replay:
@@ -161,11 +170,13 @@ def test_fuzz_ledger_stream(stream: list[tuple[int, bytes]], with_replay: bool, 
     for seq, payload in stream:
         ledger.receive(seq, payload)  # never raises
     snap = ledger.snapshot()
-    _check_snapshot(snap, len(stream))
+    # a replay is asked at most once per batch received, and once at the start
+    replayed = len(history) * (len(stream) + 1) if with_replay else 0
+    _check_snapshot(snap, len(stream), replayed)
     event("some rank trusted" if any(c is not None for c in snap.cached_blocks.values()) else "no rank trusted")
     ledger.engine_restarted(time.time())  # every batch is older: all counts dropped
     after = ledger.snapshot()
-    _check_snapshot(after, len(stream))
+    _check_snapshot(after, len(stream), replayed)
     assert all(c is None or c == 0 for c in after.cached_blocks.values())
     # merged into an engine's facts as the vLLM source does
     pools = [PoolFacts(id=str(r), block_size=16, num_blocks=1 << 20, block_bytes=4096, in_use=0, cached_blocks=c)
@@ -244,3 +255,56 @@ def test_multiset_growth_is_capped_and_counted(monkeypatch: pytest.MonkeyPatch) 
     assert "more than 10 distinct cached blocks" in snap.reasons[0]
     ledger.receive(2, msgpack.packb([1.0, [["AllBlocksCleared"]]]))  # a clear makes the count trustworthy again
     assert ledger.snapshot().cached_blocks == {0: 0}
+
+
+# ---------------------------------------------------------------- sequence jumps (issue 25), pinned
+
+
+def _stored(*hashes: int) -> bytes:
+    return msgpack.packb([1.0, [["BlockStored", list(hashes)]]])
+
+
+def test_a_jump_to_2_63_is_one_resync_not_9e18_lost_batches() -> None:
+    ledger = KvEventState()
+    ledger.receive(0, _stored(1, 2))
+    ledger.receive(1, _stored(3))
+    ledger.receive(2**63 - 1, _stored(4))  # the probe: kv_events_lost_total became 9.2e18 for good
+    snap = ledger.snapshot()
+    assert snap.lost == 1 and snap.resyncs == 1 and snap.restarts == 0
+    assert snap.cached_blocks == {0: None} and "sequence jumped from 1 to 9223372036854775807" in snap.reasons[0]
+    # the same number again: a restart (not past the last seq) whose first seq is no gap from 0 either
+    ledger.receive(2**63 - 1, _stored(5))
+    ledger.receive(3, msgpack.packb([1.0, [["AllBlocksCleared"]], 0]))  # back again: a restart, seqs 0..2 missed
+    ledger.receive(4, _stored(6))
+    snap = ledger.snapshot()
+    assert snap.cached_blocks == {0: 1} and snap.resyncs == 2 and snap.lost == 1 + 1 + 3
+    facts = EngineFacts(name="fuzz", kind="vllm", source="vllm", pools=[PoolFacts(id="0", block_size=16, num_blocks=8)],
+                        kv_events=dict(snap.events_by_type), kv_events_lost=snap.lost)
+    assert_exports_cleanly(facts)
+
+
+def test_a_gap_within_the_bound_is_counted_as_lost() -> None:
+    ledger = KvEventState()
+    ledger.receive(0, _stored(1))
+    ledger.receive(events_state.MAX_SEQ_GAP + 1, _stored(2))  # exactly MAX_SEQ_GAP batches missed
+    snap = ledger.snapshot()
+    assert snap.lost == events_state.MAX_SEQ_GAP and snap.resyncs == 0
+
+
+def test_a_restart_at_a_huge_sequence_number_is_a_resync() -> None:
+    ledger = KvEventState()
+    ledger.receive(5, _stored(1))
+    ledger.receive(2**62, _stored(2))  # forward jump: resync
+    ledger.receive(2**61, _stored(3))  # back, and far from 0: a restart, then a jump from the new run's 0
+    snap = ledger.snapshot()
+    assert snap.resyncs == 2 and snap.lost == 2 and snap.cached_blocks == {0: None}
+
+
+def test_a_replay_that_jumps_is_counted_once() -> None:
+    history = [(0, _stored(1)), (2**62, _stored(2))]
+    ledger = KvEventState(lambda rank, start: [(s, p) for s, p in history if s >= start])
+    ledger.start_from_replay(0)
+    ledger.receive(0, _stored(1))
+    ledger.receive(2, _stored(3))  # a gap of one: the replay skips to 2**62
+    snap = ledger.snapshot()
+    assert snap.lost <= 2 and snap.resyncs <= 1

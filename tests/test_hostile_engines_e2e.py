@@ -2,23 +2,33 @@
 poisoned documents fail the poisoned engine alone while the healthy one keeps moving; an
 endless body leaves the daemon's memory bounded and back near its baseline afterwards;
 headers dripped a byte at a time mark the source down within its timeout and do not
-delay SIGTERM."""
+delay SIGTERM. Every hostile engine of the second probe at once (issue 25): a timestamp of
+312 digits (vLLM, and llama.cpp's optional /metrics), sums beyond 2**53 - 1, 11 MB of
+100,000 series, a KV-event sequence jump to 2**63 - 1, with the first probe's endless body,
+beside the healthy engine, which stays fresh; /metrics passes promtool and the daemon's
+peak RSS stays under 200 MB."""
 
 from __future__ import annotations
 
 import copy
 import json
+import re
+import shutil
 import signal
+import subprocess
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from test_serve_e2e import scrape, value
+from vllm_publisher import FakeVllmPublisher, stored_array
 
 from harness.hostile import HostileEngine
 from harness.kvledger_daemon import Daemon, run_serve
+from harness.llamacpp import FakeLlamacpp
 from kvledger.sim.demo import demo_profiles
 from kvledger.sim.engine import SimEngine
 from kvledger_engine.document_server import LedgerServer, serve_http
@@ -77,11 +87,12 @@ def good_success(s: Samples) -> float:
     return value(s, "kvledger_source_last_success_timestamp_seconds", engine="good", source="ledger") or 0.0
 
 
-def rss_bytes(pid: int) -> int:
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    """The process's resident set (``VmHWM``: its peak so far), from /proc."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {field}")
 
 
 def _poison(doc: dict[str, Any], path: str, new: Any) -> bytes:
@@ -229,3 +240,126 @@ def test_sighup_reloads_the_configuration_and_keeps_it_when_bad(
         before = good_success(samples)
         samples = until(daemon, "still polling both", lambda s: good_success(s) > before and up(s, "hostile") == 1)
         assert daemon.process.running()
+
+
+# ---------------------------------------------------------------- the second probe, every engine at once
+
+FIXTURES = Path(__file__).parent / "fixtures"
+VLLM = (FIXTURES / "vllm" / "vllm-0.32-like.txt").read_text()
+STAMP = "9" * 312  # prometheus_client's int / 1000 overflows: OverflowError
+
+
+def _dp_ranks(n: int, running: int) -> bytes:
+    """vLLM's /metrics of ``n`` data-parallel ranks, each running ``running`` requests (in range):
+    their sum is not (the probe: 9,007,199,254,740,995)."""
+    lines = []
+    for r in range(n):
+        labels = f'engine="{r}",model_name="m"'
+        lines += [f"vllm:num_requests_running{{{labels}}} {running}.0", f"vllm:num_requests_waiting{{{labels}}} 0.0",
+                  f"vllm:kv_cache_usage_perc{{{labels}}} 0.0", f"vllm:prefix_cache_hits_total{{{labels}}} 3.7e15",
+                  f'vllm:cache_config_info{{block_size="16",{labels},num_gpu_blocks="{n * 1025}"}} 1.0']
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _series(n: int) -> bytes:
+    """11 MB of vLLM text: ``n`` series of one gauge, each with its own label value."""
+    head = VLLM.encode()
+    return head + b"".join(b'vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny",reason="r%030d"} 0.0\n' % i
+                           for i in range(n))
+
+
+def _promtool_check(body: bytes) -> None:
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool not on PATH: apt-get install prometheus"
+    out = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, timeout=60)
+    assert out.returncode == 0, (out.stdout + out.stderr).decode()[:2000]
+
+
+def test_every_hostile_engine_of_the_probe_at_once(
+    tmp_path: Path, engines: tuple[LedgerServer, HostileEngine, SimEngine]
+) -> None:
+    good, endless, _ = engines
+    endless.mode = "endless"  # the first probe's, at the default limit of 16 MiB
+    stamp = HostileEngine(VLLM.encode() + f'vllm:num_requests_running{{engine="0",model_name="tiny"}} 3.0 {STAMP}\n'.encode())
+    summed = HostileEngine(_dp_ranks(2, 2**52 + 2))
+    huge = HostileEngine(_series(100_000))
+    assert len(huge.body) > 11_000_000
+    events_metrics = HostileEngine(VLLM.encode())
+    llama_files = FIXTURES / "llamacpp"
+    llama = FakeLlamacpp({
+        "/props": (llama_files / "llamacpp-b11434-split-busy-props.json").read_bytes(),
+        "/slots": (llama_files / "llamacpp-b11434-split-busy-slots.json").read_bytes(),
+        "/metrics": (llama_files / "llamacpp-b11434-split-busy-metrics.txt").read_bytes()
+        + f"llamacpp:requests_processing 1 {STAMP}\n".encode(),
+    })
+    pub = FakeVllmPublisher(replay=False)
+    cfg = tmp_path / "kvledger.yml"
+    cfg.write_text(f"""
+interval_seconds: 0.25
+nvml: {{enabled: false}}
+engines:
+  - {{name: good, kind: ledger, url: "{good.url}", timeout_seconds: 1}}
+  - {{name: stamp, kind: vllm, url: "{stamp.url}", timeout_seconds: 1}}
+  - {{name: summed, kind: vllm, url: "{summed.url}", timeout_seconds: 1}}
+  - {{name: huge, kind: vllm, url: "{huge.url}", timeout_seconds: 2}}
+  - {{name: events, kind: vllm, url: "{events_metrics.url}", timeout_seconds: 1, kv_events: "{pub.endpoint}"}}
+  - {{name: llama, kind: llamacpp, url: "{llama.url}", timeout_seconds: 1, block_bytes: 4096}}
+  - {{name: endless, kind: ledger, url: "{endless.url}", timeout_seconds: 1}}
+""")
+    try:
+        with run_serve(tmp_path, cfg) as daemon:
+            pid = daemon.process.pid
+
+            def source(s: Samples, engine: str, kind: str = "vllm") -> float | None:
+                return value(s, "kvledger_source_up", engine=engine, source=kind)
+
+            def errs(s: Samples, engine: str, reason: str, kind: str = "vllm") -> float:
+                return value(s, "kvledger_source_errors_total", engine=engine, source=kind, reason=reason) or 0.0
+
+            until(daemon, "first polls", lambda s: good_success(s) > 0 and errs(s, "huge", "too_large") >= 1
+                  and source(s, "llama", "llamacpp") == 1 and source(s, "events") == 1, timeout=30)
+            pub.wait_subscribed()
+            pub.publish([stored_array([1, 2])])  # seq 0
+            pub.seq = 2**63 - 1  # the jump: kv_events_lost_total was 9.2e18, for good
+            pub.publish([stored_array([3])])
+            samples = until(daemon, "the jump counted", lambda s: (value(s, "kvledger_kv_events_total", engine="events",
+                                                                            type="BlockStored") or 0) >= 2)
+            start = good_success(samples)
+            time.sleep(5.0)  # 20 polls of every engine
+            samples, _ = scrape(daemon)
+            body = urllib.request.urlopen(daemon.url + "/metrics", timeout=5).read()
+            hwm = rss_bytes(pid, "VmHWM")
+            log = daemon.process.log_path.read_text(errors="replace")
+
+        # the healthy engine stays fresh
+        assert source(samples, "good", "ledger") == 1 and good_success(samples) > start + 3
+        # timestamp: a parse error of its engine at every poll, never internal, logged once
+        assert source(samples, "stamp") == 0 and errs(samples, "stamp", "parse") >= 15
+        assert errs(samples, "stamp", "internal") == 0
+        assert len(re.findall(r"source stamp/vllm down", log)) == 1 and "Traceback" not in log
+        # llama.cpp: the bad optional /metrics leaves the engine up, its sub-source down
+        assert source(samples, "llama", "llamacpp") == 1 and source(samples, "llama", "metrics") == 0
+        assert value(samples, "kvledger_kv_capacity_blocks", engine="llama", pool="0") is not None
+        # sums beyond 2**53 - 1: the engine is invalid, nothing of it exported rounded
+        assert source(samples, "summed") == 0 and errs(samples, "summed", "invalid") >= 15
+        assert len(re.findall(r"source summed/vllm down", log)) == 1
+        # 11 MB of 100,000 series: refused while streaming at every poll, never up, never a timeout
+        huge_polls = errs(samples, "huge", "too_large")
+        assert source(samples, "huge") == 0 and huge_polls >= 10
+        assert errs(samples, "huge", "timeout") == 0 and errs(samples, "huge", "parse") == 0
+        assert source(samples, "endless", "ledger") == 0 and errs(samples, "endless", "too_large", "ledger") >= 10
+        # the jump: one lost batch, the engine up
+        assert value(samples, "kvledger_kv_events_lost_total", engine="events") == 1
+        assert source(samples, "events") == 1 and source(samples, "events", "kv_events") == 0
+        # /metrics: valid for promtool, every number exact in a double
+        _promtool_check(body)
+        for line in body.decode().splitlines():
+            if line and not line.startswith("#") and not line.startswith("process_"):
+                assert abs(float(line.rsplit(" ", 1)[1])) <= 2**53 - 1, line
+        mib = 1 << 20
+        print(f"\npeak RSS (VmHWM) {hwm / mib:.1f} MiB; 11 MB engine: up 0 of {huge_polls:.0f} polls (too_large)")
+        assert hwm < 200 * mib, f"peak RSS {hwm / mib:.0f} MiB"
+    finally:
+        for x in (stamp, summed, huge, events_metrics, llama):
+            x.stop()
+        pub.close()

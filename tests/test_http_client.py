@@ -3,6 +3,7 @@ limit enforced while streaming, no redirects, no credentials or answer text in m
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ import pytest
 from harness.hostile import HostileEngine
 from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.http_client import HttpClient, redact_url
+from kvledger.model.limits import MAX_TEXT_LINES
 from kvledger_engine.document_server import serve_unix
 
 
@@ -136,3 +138,53 @@ def test_abort_ends_an_exchange_in_progress(engine: HostileEngine) -> None:
     t.join(timeout=5)
     assert not t.is_alive()
     assert errors and errors[0].reason in ("connect", "parse")
+
+
+# ---------------------------------------------------------------- lines (issue 25): refused before the parse
+
+
+def test_prometheus_text_over_the_line_limit_is_refused_while_streaming(engine: HostileEngine) -> None:
+    # the probe's engine: 11 MB, 100,000 series, whose parse outlasted the 2 s deadline
+    engine.body = b"".join(b'vllm:x{engine="0",v="%090d"} 1\n' % i for i in range(100_000))
+    assert len(engine.body) > 11_000_000
+    client = HttpClient(engine.url, timeout=10, accept="text/plain;version=0.0.4")
+    assert client.max_lines == MAX_TEXT_LINES
+    err = fail(client)
+    assert err.reason == "too_large"
+    assert err.message.endswith(f"body over the limit of {MAX_TEXT_LINES} lines (refused while it streamed in, before parsing)")
+
+
+def test_the_line_limit_ends_the_read_before_the_body_does() -> None:
+    """Lines past the limit, then a body that never ends: refused at once, not at the deadline."""
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n" + b"a 1\n" * (MAX_TEXT_LINES + 1))
+            stop.wait(10)  # and then nothing, never the end
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        start = time.monotonic()
+        err = fail(HttpClient(f"http://127.0.0.1:{server.getsockname()[1]}/metrics", timeout=8, accept="text/plain"))
+        assert err.reason == "too_large" and time.monotonic() - start < 4
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()
+
+
+def test_the_line_limit_is_per_client_and_documents_have_none(engine: HostileEngine) -> None:
+    engine.body = b"a 1\n" * 1000
+    assert HttpClient(engine.url, timeout=5, accept="text/plain").get() == engine.body  # 1000 lines: within
+    assert fail(HttpClient(engine.url, timeout=5, accept="text/plain", max_lines=999)).reason == "too_large"
+    assert HttpClient(engine.url, timeout=5, accept="text/plain", max_lines=1000).get() == engine.body
+    json_lines = b"[\n" + b"1,\n" * (MAX_TEXT_LINES + 1) + b"1]\n"
+    engine.body = json_lines
+    assert HttpClient(engine.url, timeout=5, accept="application/json").max_lines is None
+    assert HttpClient(engine.url, timeout=5, accept="application/json").get() == json_lines
+    assert fail(HttpClient(engine.url, timeout=5, accept="text/plain;version=0.0.4")).reason == "too_large"

@@ -16,6 +16,7 @@ from kvledger.collect.sources.llamacpp.source import LlamacppSource, endpoints
 from kvledger.collect.sources.registry import build_sources
 from kvledger.config.loader import load_config
 from kvledger.config.model import EngineConfig
+from kvledger.model.limits import MAX_TEXT_LINES
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llamacpp"
 CASE = "llamacpp-pre13660"
@@ -43,6 +44,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             "ok": (200, BODIES.get(path.removeprefix("/llama"), b"")),
             "501": (501, NOT_SUPPORTED),
             "garbage": (200, b"<html>oops</html>\n"),
+            # one sample whose timestamp has 312 digits: prometheus_client's int / 1000 overflows
+            "timestamp": (200, BODIES["/metrics"] + b"llamacpp:requests_processing 1 " + b"9" * 312 + b"\n"),
+            "too_long": (200, b"llamacpp:n_busy_slots_per_decode 1\n" * (MAX_TEXT_LINES + 1)),
             "sleeping": (200, b'{"total_slots": 4, "build_info": "b11434-x", "is_sleeping": true}'),
         }[mode]
         if path.removeprefix("/llama") not in BODIES:
@@ -115,7 +119,7 @@ def test_slots_and_props_urls_from_options(server) -> None:
         src.close()
 
 
-@pytest.mark.parametrize("mode", ["501", "garbage", "hang"])
+@pytest.mark.parametrize("mode", ["501", "garbage", "hang", "timestamp", "too_long"])
 def test_metrics_failure_is_a_subsource_down_not_a_failed_poll(server, mode: str) -> None:
     base, handler = server
     handler.modes["/metrics"] = mode
@@ -128,8 +132,27 @@ def test_metrics_failure_is_a_subsource_down_not_a_failed_poll(server, mode: str
         assert facts.request_counts is not None and facts.request_counts.waiting is None  # unknown, not zero
         (report,) = src.subsource_health()
         assert report.name == "metrics" and not report.up and report.message
-        expected = {"501": "http_status: ", "garbage": "parse: ", "hang": "timeout: "}[mode]
+        expected = {"501": "http_status: ", "garbage": "parse: ", "hang": "timeout: ", "timestamp": "parse: ",
+                    "too_long": "too_large: "}[mode]
         assert report.message.startswith(expected), report.message
+    finally:
+        src.close()
+
+
+def test_an_error_of_ours_reading_metrics_does_not_fail_the_poll(server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """/metrics is optional ("never fails the poll"): not even an exception no parser names does."""
+    base, _ = server
+
+    def broken(text: str) -> None:
+        raise OverflowError("integer division result too large for a float")
+
+    monkeypatch.setattr("kvledger.collect.sources.llamacpp.source.parse_metrics", broken)
+    src = LlamacppSource(_cfg(base))
+    try:
+        facts = src.poll().facts
+        assert facts.pools[0].num_blocks == 8192
+        (report,) = src.subsource_health()
+        assert not report.up and report.message == "internal: OverflowError: integer division result too large for a float"
     finally:
         src.close()
 

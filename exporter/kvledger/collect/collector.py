@@ -43,6 +43,9 @@ class _PollOutcome:
     contribution: Contribution | None
     error: SourceError | None
     duration: float
+    #: the exception a source raised unexpectedly (a bug of ours): logged with its
+    #: traceback once, when the failure changes (``Collector._mark_down``)
+    unexpected: BaseException | None = None
 
 
 @dataclass
@@ -57,6 +60,7 @@ class _Runner:
     generation: int = 0  # successful polls so far
     message: str | None = None  # the full text of the latest failure
     accounted_at: float | None = None  # last_success of the latest poll whose facts were accounted
+    logged: tuple[str, str] | None = None  # (reason, message) of the failure last logged; None once accounted again
 
 
 @dataclass
@@ -91,8 +95,8 @@ def _timed_poll(source: Source, delay: float = 0.0) -> _PollOutcome:
     except SourceError as exc:
         return _PollOutcome(None, exc, time.monotonic() - start)
     except Exception as exc:  # a bug in a source must not stop the others: report it as one
-        log.exception("source %s/%s raised unexpectedly", source.engine, source.kind)
-        return _PollOutcome(None, SourceError("internal", f"{type(exc).__name__}: {exc}"), time.monotonic() - start)
+        error = SourceError("internal", f"{type(exc).__name__}: {exc}")
+        return _PollOutcome(None, error, time.monotonic() - start, unexpected=exc)
 
 
 @dataclass
@@ -126,6 +130,7 @@ class Collector:
         self._pending: _Reconfiguration | None = None
         # each engine's account with the inputs it was made from (reused while they stay the same objects)
         self._cache = AccountCache()
+        self._cycle_error: str | None = None  # the accounting failure last logged
         self.cycles = 0
 
     # ------------------------------------------------------------ public
@@ -235,8 +240,15 @@ class Collector:
             try:
                 self._account()
             except Exception as exc:  # a bug of ours: never keep serving the old numbers as fresh
-                log.exception("accounting failed; no engine is exported this cycle")
+                text = f"{type(exc).__name__}: {exc}"
+                if text != self._cycle_error:  # logged once per change, not at every cycle
+                    log.exception("accounting failed; no engine is exported this cycle")
+                    self._cycle_error = text
                 self._account_failed(exc)
+            else:
+                if self._cycle_error is not None:
+                    log.info("accounting works again")
+                    self._cycle_error = None
             next_cycle += self.interval
             delay = next_cycle - time.monotonic()
             if delay < 0:
@@ -276,15 +288,23 @@ class Collector:
                     r.message = None
                     r.health.last_success = time.time()
                 else:
-                    self._mark_down(r, outcome.error.reason, outcome.error.message)
+                    self._mark_down(r, outcome.error.reason, outcome.error.message, outcome.unexpected)
             elif (force_timeouts or now - r.started > r.timeout) and not r.timed_out:
                 r.timed_out = True
                 self._mark_down(r, "timeout", f"no answer within {r.timeout:g} s")
 
-    def _mark_down(self, r: _Runner, reason: str, message: str) -> None:
+    def _mark_down(self, r: _Runner, reason: str, message: str, unexpected: BaseException | None = None) -> None:
+        """Mark ``r`` down and count the failure (every one, in its reason's counter). It is
+        logged once per change: when the source goes down, or when the reason or the message
+        differs from the previous failure's, never again for each poll that repeats it (an
+        unexpected exception's traceback with it, likewise once). A source whose polls succeed
+        but whose facts are invalid at every cycle is logged once too: it counts as recovered
+        only once its facts were accounted (``_account``)."""
         message = redact_text(message)
-        if r.health.up or r.message != message:
-            log.warning("source %s/%s down (%s): %s", r.source.engine or "-", r.source.kind, reason, message)
+        if r.logged != (reason, message):
+            log.warning("source %s/%s down (%s): %s", r.source.engine or "-", r.source.kind, reason, message,
+                        exc_info=unexpected)
+            r.logged = (reason, message)
         r.latest = None
         r.health.up = False
         r.health.reason = reason
@@ -306,6 +326,8 @@ class Collector:
                 if not up and (h.up or h.reason is None):
                     h.errors["unavailable"] = h.errors.get("unavailable", 0) + 1
                     log.warning("source %s/%s down: %s", r.source.engine, name, message)
+                elif up and not h.up and h.reason is not None:
+                    log.info("source %s/%s up again", r.source.engine, name)
                 h.up = up
                 h.reason = None if up else "unavailable"
                 self._sub_messages[key] = None if message is None else redact_text(message)
@@ -335,6 +357,9 @@ class Collector:
         for r in self._runners:  # a poll counts as a success once its facts were accounted
             if r.health.up:
                 r.accounted_at = r.health.last_success
+                if r.logged is not None:  # one line when a source that was logged down recovers
+                    log.info("source %s/%s up again (was down: %s)", r.source.engine or "-", r.source.kind, r.logged[0])
+                    r.logged = None
         accounts = Accounts(
             engines=result.accounts.engines,
             gpus=result.accounts.gpus,

@@ -25,6 +25,24 @@ num_blocks x block_size    <= 2**53 - 1        token capacity exact in a float
 
 With these bounds R(r) <= 1024 x 3 x 2**30 < 2**42 per request and the sum over 2**20
 requests < 2**62 fits numpy's int64 columns; capacity in bytes and in tokens is exact.
+
+Sums are not bounded here: a sum over ranks, API servers or series of values each within
+range can pass 2**53 - 1. Every exported number is held to that range at one place, the
+exposition check (``output.prometheus.check_renderable``): an engine with a larger one
+is invalid (its source down, reason ``invalid``), never exported rounded.
+
+Two more bounds on what an engine sends:
+
+- ``RATIO_TOLERANCE``: a block count derived from a ratio (vLLM's KV usage x usable
+  blocks) is exact only when it lies within ``RATIO_TOLERANCE x blocks`` of a whole
+  number. vLLM computes the ratio as ``1 - free / usable`` in doubles and prints it with
+  every digit, so ``usage x usable`` is off a whole number by a few units in the last
+  place of 1 times ``usable`` (under 2**-50 x usable); 2**-40 x usable (under 0.004 of a
+  block at 2**32 blocks) is far above that and far below any real fraction of a block.
+- ``MAX_TEXT_LINES``: the most lines of Prometheus text read from one answer; a longer
+  one is refused while it streams in (reason ``too_large``), before any of it is parsed:
+  prometheus_client's parser reads about 30,000 to 50,000 lines a second, so a body of
+  100,000 series would outlast a poll's deadline at every poll.
 """
 
 from __future__ import annotations
@@ -40,9 +58,16 @@ MAX_REF_COUNT = 2**30
 MAX_REQUESTS = 2**20
 
 
+#: a count from a ratio is exact within this fraction of the blocks it counts (module doc)
+RATIO_TOLERANCE = 2.0**-40
+#: lines of Prometheus text read from one answer before it is refused (module doc)
+MAX_TEXT_LINES = 50_000
+
+
 def is_safe_number(value: float) -> bool:
     """Finite and within [0, MAX_SAFE_INT] (NaN compares false: rejected)."""
     return math.isfinite(value) and 0 <= value <= MAX_SAFE_INT
+
 
 #: the integer fields of a request (kvledger/v1 ``requests[]`` and ``request_columns``):
 #: name -> (minimum, maximum); ``prompt_tokens`` and ``max_output_tokens`` are required

@@ -22,6 +22,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvledger.model.accounts import Accounts
+from kvledger.model.limits import MAX_SAFE_INT
 from kvledger.output.catalog import CATALOG, MetricSpec
 
 log = logging.getLogger("kvledger.output")
@@ -121,15 +122,27 @@ def render_text(accounts: Accounts | None, process_registry: CollectorRegistry |
 
 def check_renderable(accounts: Accounts) -> None:
     """Raise ValueError unless every catalogue sample of ``accounts`` can be exported: a
-    finite number and label values that are text (UTF-8 encodable, no NUL).
+    finite number within [-(2**53 - 1), 2**53 - 1] and label values that are text (UTF-8
+    encodable, no NUL).
 
     The render check the collector asks of the output side, for each engine alone
     (``collect.accounting.account_snapshot``): an engine that fails it is marked down
-    (``invalid``) instead of breaking the exposition of the others."""
+    (``invalid``) instead of breaking the exposition of the others. It is the one place
+    where every exported number, sums and counters included, is held to the range a
+    double carries exactly (``MAX_SAFE_INT``): the parsers check each value they read, but
+    a sum over data-parallel ranks, API servers or series (running requests, prefix-cache
+    tokens), a count of lost KV events or a reservation bound computed from them is only
+    known here, after the policy. A larger value would be exported rounded (2**53 + 1 reads
+    2**53): the engine is invalid instead."""
     for spec in CATALOG:
         for labels, value in spec.samples(accounts):
-            if not math.isfinite(value):
-                raise ValueError(f"{spec.name}: value {value!r} is not finite")
+            if not -MAX_SAFE_INT <= value <= MAX_SAFE_INT:  # NaN compares false too
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise ValueError(f"{spec.name}: value {value!r} is not finite")
+                shown = ",".join(f'{n}="{v}"' for n, v in zip(spec.labels, labels, strict=False))
+                number = repr(value) if abs(value) < 1e30 else "of more than 30 digits"
+                raise ValueError(f"{spec.name}{{{shown[:200]}}}: value {number} is beyond 2**53 - 1, "
+                                 "where a float no longer holds every integer")
             for label in labels:
                 if not isinstance(label, str) or "\x00" in label:
                     raise ValueError(f"{spec.name}: label value {label!r} is not text")

@@ -12,7 +12,10 @@
   error naming the status, never a fetch of another address); ``fetch(if_none_match=...)``
   also takes 304 Not Modified, the answer to a conditional GET whose ETag still holds;
 - ``too_large``: the body passed ``max_bytes`` (checked against Content-Length before
-  reading, and while streaming, so at most ``max_bytes`` plus one chunk is ever held);
+  reading, and while streaming, so at most ``max_bytes`` plus one chunk is ever held), or
+  ``max_lines`` lines (counted while streaming, before anything parses it: a client that
+  asks for ``text/plain``, a Prometheus text, is held to ``MAX_TEXT_LINES`` unless told
+  otherwise, since parsing outlasts a poll's deadline long before 16 MiB);
 - ``parse``: not HTTP (bad status line, too many or too long header lines, truncated body).
 
 URLs are ``http://``, ``https://`` or ``unix:///absolute/path`` (HTTP/1.1 over a Unix
@@ -37,6 +40,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 from kvledger.collect.memory import release_freed_memory
 from kvledger.collect.sources.base import SourceError
+from kvledger.model.limits import MAX_TEXT_LINES
 
 #: default cap on a response body (engines' documents and /metrics texts); per engine
 #: ``max_response_bytes`` in the configuration overrides it
@@ -194,14 +198,23 @@ class Answer:
     content_type: str | None
 
 
-class HttpClient:
-    """GETs one URL, bounded by ``timeout`` seconds in all and ``max_bytes`` of body."""
+def default_max_lines(accept: str) -> int | None:
+    """The line limit of a client that asks for ``accept``: ``MAX_TEXT_LINES`` for
+    Prometheus text (``text/plain``), none for documents (JSON may be one long line)."""
+    return MAX_TEXT_LINES if accept.strip().lower().startswith("text/plain") else None
 
-    def __init__(self, url: str, *, timeout: float, max_bytes: int = DEFAULT_MAX_BYTES, accept: str = "*/*") -> None:
+
+class HttpClient:
+    """GETs one URL, bounded by ``timeout`` seconds in all, ``max_bytes`` of body and, for
+    text, ``max_lines`` lines (by default ``default_max_lines(accept)``)."""
+
+    def __init__(self, url: str, *, timeout: float, max_bytes: int = DEFAULT_MAX_BYTES, accept: str = "*/*",
+                 max_lines: int | None = None) -> None:
         self.url = url
         self.where = redact_url(url)
         self.timeout = timeout
         self.max_bytes = max_bytes
+        self.max_lines = max_lines if max_lines is not None else default_max_lines(accept)
         self.accept = accept
         self._target = _target(url)  # a bad URL fails here, at configuration time
         self._lock = threading.Lock()
@@ -297,6 +310,8 @@ class HttpClient:
             raise SourceError("too_large", f"{self.where}: body of {int(length)} bytes is over the limit of {self.max_bytes}")
         chunks: list[bytes] = []
         size = 0
+        lines = 0
+        max_lines = self.max_lines if accept == self.accept else default_max_lines(accept)
         while True:
             chunk = resp.read1(_CHUNK)
             if not chunk:
@@ -306,6 +321,13 @@ class HttpClient:
                 chunks.clear()
                 release_freed_memory()
                 raise SourceError("too_large", f"{self.where}: body over the limit of {self.max_bytes} bytes")
+            if max_lines is not None:
+                lines += chunk.count(b"\n")
+                if lines > max_lines:
+                    chunks.clear()
+                    release_freed_memory()
+                    raise SourceError("too_large", f"{self.where}: body over the limit of {max_lines} lines "
+                                                   "(refused while it streamed in, before parsing)")
             chunks.append(chunk)
         if length is not None and length.strip().isdigit() and size != int(length):
             raise SourceError("parse", f"{self.where}: body truncated after {size} of {int(length)} bytes")

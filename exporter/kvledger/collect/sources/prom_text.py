@@ -8,7 +8,10 @@ Engine adapters (vLLM, SGLang, TGI, ...) read an engine's /metrics with it. It w
   ``..._bucket``, ``..._created``), colons included;
 - families the caller does not know are simply never looked up;
 - a malformed or truncated body raises ``SourceError("parse", ...)`` whose message names
-  the first offending line (number and text).
+  the first offending line (number and text). Every exception the parser can raise on
+  engine text (``PARSER_ERRORS``, named here once) is such a parse error: a sample whose
+  timestamp has 312 digits overflows prometheus_client's ``int / 1000`` (OverflowError)
+  and fails its engine's poll as ``parse`` like any other bad line, never as ``internal``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ from kvledger.collect.sources.base import SourceError
 
 #: longest excerpt of an offending line quoted in an error message
 _QUOTE = 120
+#: what prometheus_client's text parser raises on text it cannot read: ValueError (and
+#: UnicodeError) for a malformed line, ArithmeticError (OverflowError) for a number beyond
+#: a double (``a 1 999...9``: the timestamp divided by 1000), the others for shapes its
+#: splitting does not expect. Each is a parse error of the engine that sent the text.
+PARSER_ERRORS: tuple[type[Exception], ...] = (ValueError, ArithmeticError, TypeError, IndexError, KeyError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +49,7 @@ def parse_exposition(text: str) -> Exposition:
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 out.setdefault(s.name, []).append(Sample(dict(s.labels), _float(s.value)))
-    except (ValueError, TypeError, IndexError, KeyError) as exc:
+    except PARSER_ERRORS as exc:
         raise SourceError("parse", _locate_error(text, exc)) from None
     return out
 
@@ -65,7 +73,7 @@ def _locate_error(text: str, exc: Exception) -> str:
         try:
             for _ in text_string_to_metric_families(stripped + "\n"):
                 pass
-        except (ValueError, TypeError, IndexError, KeyError) as line_exc:
+        except PARSER_ERRORS as line_exc:
             quoted = stripped if len(stripped) <= _QUOTE else stripped[:_QUOTE] + "..."
             hint = "; the body looks truncated" if number == len(lines) and not text.endswith("\n") else ""
             detail = str(line_exc) or type(line_exc).__name__

@@ -8,8 +8,9 @@ one deadline of ``timeout_seconds`` (each GET gets what is left of it):
 1. /props: the version, and whether the server sleeps (``--sleep-idle-seconds``): then
    /slots is not read, since reading it reloads the model;
 2. /metrics: optional (``--metrics``), given at most half of what is left. Its failure
-   (off: HTTP 501, garbage, a hang) never fails the poll: the facts go without its figures and the ``metrics`` sub-source reports
-   down with the reason;
+   (off: HTTP 501, garbage, a hang, text no parser reads, even an error of ours while
+   reading it) never fails the poll: the facts go without its figures and the ``metrics``
+   sub-source reports down with the reason;
 3. /slots: required; any failure fails the poll with its reason. Skipped when /metrics
    shows a server with nothing to do whose counters have not moved since the last /slots
    answer, which had no busy slot either (``metrics.idle_key``): the slots are then those
@@ -19,6 +20,7 @@ one deadline of ``timeout_seconds`` (each GET gets what is left of it):
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -30,6 +32,8 @@ from kvledger.collect.sources.llamacpp.mapping import llamacpp_facts
 from kvledger.collect.sources.llamacpp.metrics import ServerMetrics, idle_key, parse_metrics
 from kvledger.collect.sources.model_config import ModelConfig
 from kvledger.config.model import EngineConfig
+
+log = logging.getLogger(__name__)
 
 #: the share of timeout_seconds the GETs may use; the rest is left for parsing, so that the
 #: collector never sees the poll itself run past its timeout
@@ -101,6 +105,10 @@ class LlamacppSource(Source):
             metrics = parse_metrics(text)
         except SourceError as exc:
             self._metrics_error = f"{exc.reason}: {exc.message}"
+            return None
+        except Exception as exc:  # /metrics is optional: not even a bug of ours in reading it fails the poll
+            log.debug("engine %s: reading /metrics failed", self.engine, exc_info=True)
+            self._metrics_error = f"internal: {type(exc).__name__}: {exc}"
             return None
         self._metrics_error = None
         return metrics

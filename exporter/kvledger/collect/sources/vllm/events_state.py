@@ -8,6 +8,11 @@ sockets: replay is a function given to it.
   cannot fill is counted in ``lost`` and makes the count untrusted;
 - seq going back (below last + 1) -> the server restarted: the multiset is cleared,
   ``restarts`` counted, trusted again from a fresh seq 0;
+- a jump larger than ``MAX_SEQ_GAP`` (forward from the last seq, or from 0 after a
+  restart) is no gap a subscriber can have missed but a restart or a corrupt sequence
+  number: the rank is resynchronised (cleared, read again as on first contact: trusted
+  once a replay from seq 0 or an ``AllBlocksCleared`` says what it holds), counted once
+  in ``resyncs`` and as one lost batch, never as 2**63 lost batches;
 - ``AllBlocksCleared`` -> cleared and trusted again;
 - ``engine_restarted(started_at)`` (the source saw the engine's process start time change)
   -> a multiset still holding batches published before ``started_at`` is dropped: a
@@ -38,6 +43,10 @@ log = logging.getLogger(__name__)
 
 #: distinct cached hashes kept per rank (a GPU pool has far fewer blocks)
 MAX_TRACKED_BLOCKS = 1 << 22
+#: the largest sequence gap taken as batches missed: vLLM publishes one batch per scheduler
+#: step, so 2**20 batches are hours of a busy engine's stream. A larger jump is a restart
+#: or a corrupt sequence number (resync); ``lost`` grows by at most this per batch received
+MAX_SEQ_GAP = 1 << 20
 
 ReplayFn = Callable[[int, int], Iterable[tuple[int, bytes]]]  # (rank, start_seq) -> (seq, payload)...
 
@@ -67,6 +76,7 @@ class KvEventsSnapshot:
     reasons: dict[int, str]  # why a rank's count is unknown
     received: int  # live batches received on the SUB socket (replayed ones not included)
     overflows: int = 0  # ranks cleared for holding more than MAX_TRACKED_BLOCKS hashes
+    resyncs: int = 0  # sequence jumps beyond MAX_SEQ_GAP (each also one lost batch)
 
 
 class KvEventState:
@@ -81,6 +91,8 @@ class KvEventState:
         self.decode_errors = 0
         self.received = 0
         self.overflows = 0
+        self.resyncs = 0
+        self._decode_error: str | None = None  # the decode error last logged, until a batch decodes
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ inputs
@@ -97,8 +109,13 @@ class KvEventState:
                 self.lost += 1
                 for st in self._ranks.values():
                     self._distrust(st, f"undecodable batch at seq {seq}: {exc}")
-                log.warning("KV event batch seq %d not decoded: %s", seq, exc)
+                # a publisher sending garbage at every step is logged once per kind of garbage
+                # (counted in decode_errors every time), not once per batch
+                level = logging.DEBUG if str(exc) == self._decode_error else logging.WARNING
+                log.log(level, "KV event batch seq %d not decoded: %s", seq, exc)
+                self._decode_error = str(exc)
                 return
+            self._decode_error = None
             self._receive(seq, batch)
 
     def start_from_replay(self, rank: int) -> None:
@@ -162,6 +179,11 @@ class KvEventState:
             st.blocks.clear()
             st.first_ts = None
             st.last, st.trusted, st.reason = -1, True, None
+        jump = None
+        if st.last is not None and seq - st.last - 1 > MAX_SEQ_GAP:
+            # no gap a subscriber misses: a restart or a corrupt number; read the rank again
+            jump = self._resync(rank, st, seq)
+            seen_before = False
         expected = (st.last + 1) if st.last is not None else 0
         if st.last is None and seq == 0:
             st.trusted, st.reason = True, None  # subscribed before the engine's first batch
@@ -170,9 +192,30 @@ class KvEventState:
             if st.last is not None and st.last >= seq:
                 return  # the replay delivered this batch too
             if st.last is None:  # first contact mid-stream and no replay
-                self._distrust(st, f"subscribed mid-stream at seq {seq} (no replay from seq 0)")
+                self._distrust(st, jump or f"subscribed mid-stream at seq {seq} (no replay from seq 0)")
+            elif jump is not None and not st.trusted:
+                self._distrust(st, jump)
         self._apply(st, batch)
         st.last = seq
+
+    def _resync(self, rank: int, st: _RankState, seq: int) -> str:
+        """Forget ``rank`` after a sequence jump beyond ``MAX_SEQ_GAP``: counted once (one
+        resync, one lost batch); the batch is then read as a first contact mid-stream.
+        Returns the reason the rank's count is unknown."""
+        jumped_from = st.last
+        again = (st.reason or "").startswith("sequence jumped")  # logged once until the rank is read again
+        self.resyncs += 1
+        self.lost += 1
+        st.blocks.clear()
+        st.first_ts = None
+        st.last, st.dup_upto = None, None
+        reason = (f"sequence jumped from {jumped_from} to {seq} on rank {rank}, more than {MAX_SEQ_GAP} batches: "
+                  "a restart or a corrupt number; unknown until a replay from seq 0 or AllBlocksCleared")
+        self._distrust(st, reason)
+        log.log(logging.DEBUG if again else logging.WARNING,
+                "KV events of rank %d: sequence jumped from %s to %d (more than %d): resynchronising",
+                rank, jumped_from, seq, MAX_SEQ_GAP)
+        return reason
 
     def _fill(self, rank: int, st: _RankState, expected: int, seq: int, count_lost: bool) -> None:
         """Replay [expected, ...) when possible; count and distrust what stays missing before seq."""
@@ -206,7 +249,11 @@ class KvEventState:
                 continue
             if s > st.last + 1:
                 if count_lost:
-                    self.lost += s - st.last - 1
+                    skipped = s - st.last - 1
+                    if skipped > MAX_SEQ_GAP:  # no history skips that far: counted once, as a jump
+                        self.resyncs += 1
+                        skipped = 1
+                    self.lost += skipped
                 self._distrust(st, f"replay history of rank {rank} skips seq {st.last + 1}..{s - 1}")
             try:
                 batch = decode_batch(payload)
@@ -262,4 +309,4 @@ class KvEventState:
                 if not st.trusted:
                     reasons[rank] = st.reason or "unknown"
             return KvEventsSnapshot(cached, dict(self._types), self.lost, self.restarts, self.decode_errors,
-                                    reasons, self.received, self.overflows)
+                                    reasons, self.received, self.overflows, self.resyncs)

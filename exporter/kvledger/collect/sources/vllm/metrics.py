@@ -26,6 +26,16 @@ is ``SourceError("parse")`` naming the metric with its labels, or the label; the
 outside [0, 1] (190 of 127 blocks) is no parse error but an impossible reading: that
 pool's ``in_use`` and the engine's claim are left unknown and the check
 ``kv_cache_usage_in_range`` is reported violated (``PoolFacts.source_violations``).
+
+In-use blocks are derived from a ratio: ``usage x usable blocks``. vLLM computes the usage
+as ``1 - free / usable`` and prints every digit, so the product is a whole number up to
+float rounding; it is taken as the exact in-use count only when it lies within
+``RATIO_TOLERANCE x usable`` of one (``kvledger.model.limits``: 2**-40 of the blocks,
+far above the rounding and far below any real fraction of a block). A reading that is no
+whole number of blocks (0.5 of 2,047 usable blocks is 1,023.5) is not what vLLM's
+arithmetic produces: the engine's claim is violated, the check ``kv_cache_usage_whole_blocks``
+is reported and the pool's in-use count and the claim are left unknown, never rounded to
+an "exact" 1,024.
 """
 
 from __future__ import annotations
@@ -39,9 +49,10 @@ from kvledger.collect.sources.prom_text import Exposition, Sample, finite, parse
 from kvledger.config.model import EngineConfig
 from kvledger.model.block_bytes import ModelConfigError, ModelKvShape, kv_shape, load_model_config
 from kvledger.model.facts import EngineFacts, PoolFacts, RequestCounts
-from kvledger.model.limits import MAX_BLOCKS, MAX_SAFE_INT, MAX_TOKENS
+from kvledger.model.limits import MAX_BLOCKS, MAX_SAFE_INT, MAX_TOKENS, RATIO_TOLERANCE
 
 USAGE_CHECK = "kv_cache_usage_in_range"
+WHOLE_BLOCKS_CHECK = "kv_cache_usage_whole_blocks"
 MAX_DP_RANK = 1023  # the `engine` label: a data-parallel rank
 
 USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # newest first
@@ -94,6 +105,15 @@ def _config_int(
     if not minimum <= value <= maximum:
         raise SourceError("parse", f"{CACHE_CONFIG} label '{key}' must be in [{minimum}, {maximum}], got {_quote(raw)}")
     return int(value)
+
+
+def whole_blocks(blocks: float | None, capacity: int) -> int | None:
+    """``blocks`` (a count derived from a ratio) as a whole number of blocks when it lies within
+    ``RATIO_TOLERANCE x capacity`` of one (float rounding); None when it is no whole number."""
+    if blocks is None:
+        return None
+    nearest = round(blocks)
+    return nearest if abs(blocks - nearest) <= RATIO_TOLERANCE * max(1, capacity) else None
 
 
 def _series(name: str, s: Sample) -> str:
@@ -284,6 +304,9 @@ def vllm_facts_from_metrics(
         if usage is not None and not 0.0 <= usage <= 1.0:
             usage, violations = None, (USAGE_CHECK,)  # 190 of 127 blocks: impossible, not exported
         claim = usage * usable if usage is not None else None
+        in_use = whole_blocks(claim, usable)
+        if claim is not None and in_use is None:
+            claim, violations = None, (WHOLE_BLOCKS_CHECK,)  # 1,023.5 blocks: no exact count, not exported
         running = _gauge(exp, RUNNING, rank, pid)
         waiting = _gauge(exp, WAITING, rank, pid)
         if running is not None:
@@ -297,7 +320,7 @@ def vllm_facts_from_metrics(
                 num_blocks=usable,
                 block_bytes=block_bytes,
                 sliding_window=window or None,
-                in_use=round(claim) if claim is not None else None,
+                in_use=in_use,
                 engine_reported_used_blocks=claim,
                 running_requests=int(running) if running is not None else None,
                 source_violations=violations,
