@@ -759,9 +759,9 @@ def render_table(r: Report) -> str:
     if len(r.groups) > 1:
         add("")
         add("KV-cache groups (one block pool: a block belongs to one group at a time):")
-        add(f"  {'group':>5} {'pool':<16} {'layers':<28} {'B':>6} {'page B/GPU':>12} {'padding':>9} {'blocks at cap':>13}")
+        add(f"  {'group':>5} {'pool':<16} {'layers':<40} {'B':>6} {'page B/GPU':>12} {'padding':>9} {'blocks at cap':>13}")
         for g in r.groups:
-            add(f"  {g.index:>5} {g.pool:<16} {_layers(g.layers, g.padding_layers):<28} {g.block_size:>6,} "
+            add(f"  {g.index:>5} {g.pool:<16} {_layers(g.layers, g.padding_layers):<40} {g.block_size:>6,} "
                 f"{g.page_bytes_per_gpu:>12,} {g.page_padding_bytes_per_gpu:>9,} {g.blocks_per_request_at_cap:>13,}")
     add("")
     others = " + other_engines" if any(t.category == "other_engines" for t in r.terms) else ""
