@@ -90,3 +90,16 @@ def test_reader_is_incremental_and_handles_truncation(tmp_path: Path) -> None:
     path.write_text(LOG_SPLIT)  # rotated/truncated: read again from the start
     third = reader.read()
     assert third.weights_gib == 14.08 and third.kv_cache_gib == 55.15 and third.cuda_graph_gib == 0.67
+
+
+def test_a_figure_beyond_what_a_float_carries_is_not_read() -> None:
+    """A hostile log line (a 400-digit GiB figure, an infinite token count) is skipped: the
+    figures read before it stay, and nothing overflows when they become bytes."""
+    huge = "9" * 400
+    text = LOG_0102 + (
+        f"(EngineCore_0 pid=812) INFO 09-14 10:00:21 [gpu_model_runner.py:2007] Model loading took {huge} GiB and 6.1 seconds\n"
+        f"INFO 09-14 10:00:22 [kv_cache_utils.py:1087] GPU KV cache size: {huge} tokens\n"
+    )
+    facts = parse_vllm_log(text)
+    assert facts.weights_gib == 14.9889 and facts.kv_cache_tokens == 449088
+    assert _terms(memory_terms(facts, [0]))["weights"] == round(14.9889 * GIB)

@@ -20,11 +20,13 @@ bounded per call); a file that shrank (rotated or truncated) is read again from 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, fields
 
 from kvledger.model.facts import MemoryTerm
+from kvledger.model.limits import MAX_SAFE_INT
 
 GIB = 1 << 30
 _INT_FIELDS = ("kv_cache_tokens", "concurrency_tokens")
@@ -67,6 +69,13 @@ def _number(text: str) -> float:
     return float(text.replace(",", ""))
 
 
+def _plausible(name: str, value: float) -> bool:
+    """Whether a logged figure stays within what the exporter carries exactly (2**53 - 1
+    bytes once a GiB figure is converted, 2**53 - 1 tokens or bytes otherwise)."""
+    scale = GIB if name.endswith("_gib") else 1
+    return math.isfinite(value) and 0 <= value * scale <= MAX_SAFE_INT
+
+
 def parse_vllm_log(text: str, base: VllmLogFacts | None = None) -> VllmLogFacts:
     """Facts from log text, over ``base`` (facts of earlier text); later lines win."""
     state = {f.name: getattr(base or VllmLogFacts(), f.name) for f in fields(VllmLogFacts)}
@@ -77,10 +86,11 @@ def parse_vllm_log(text: str, base: VllmLogFacts | None = None) -> VllmLogFacts:
             m = pattern.search(line)
             if not m:
                 continue
-            for name, raw in zip(names, m.groups(), strict=True):
-                if not name.startswith("_"):
-                    number = _number(raw)
-                    state[name] = int(number) if name in _INT_FIELDS else number
+            values = {name: _number(raw) for name, raw in zip(names, m.groups(), strict=True) if not name.startswith("_")}
+            if not all(_plausible(name, v) for name, v in values.items()):
+                continue  # a figure no engine logs (beyond 2**53 - 1 bytes or tokens): the line is not read
+            for name, number in values.items():
+                state[name] = int(number) if name in _INT_FIELDS else number
             # The two "Actual usage" forms exclude each other: the newest one decides.
             if "consumed_gib" in names:
                 state["non_torch_gib"] = None
