@@ -241,6 +241,13 @@ ALERTS: tuple[Alert, ...] = (
         "up${daemon_selector} == 0",
     ),
     Alert(
+        "KVLedgerConfigReloadFailed", "kvledger-health", "warning",
+        "A kvledger daemon failed to reload its configuration file.",
+        "The kvledger daemon {{ $labels.instance }} (job {{ $labels.job }}) could not reload its configuration "
+        "(SIGHUP) and still runs the previous one; the change meant for it is not applied.",
+        "kvledger_config_last_reload_successful == 0",
+    ),
+    Alert(
         "KVLedgerInvariantViolated", "kvledger-health", "warning",
         "An engine's facts violated an accounting invariant.",
         "Engine {{ $labels.engine }} failed invariant check {{ $labels.check }} {{ $value | humanize }} times "

@@ -23,6 +23,7 @@ CONTRACT_ALERTS = {
     "KVLedgerEstimateOverflowing": "warning", "KVLedgerHostBufferNearLimit": "warning",
     "KVLedgerNetworkQueueNearLimit": "warning", "KVLedgerPreemptionStorm": "warning",
     "KVLedgerGPULost": "critical", "KVLedgerSourceDown": "warning", "KVLedgerInvariantViolated": "warning",
+    "KVLedgerConfigReloadFailed": "warning",
 }
 DASHBOARD_RECORDINGS = {
     "kvledger:kv_capacity_bytes:sum", "kvledger:kv_reserved_bytes:sum", "kvledger:kv_allocated_bytes:sum",

@@ -221,6 +221,9 @@ def test_sighup_reloads_the_configuration_and_keeps_it_when_bad(
         until(daemon, "good up", lambda s: up(s, "good") == 1 and up(s, "hostile") is None)
         samples, _ = scrape(daemon)
         first_success = good_success(samples)
+        assert value(samples, "kvledger_config_last_reload_successful") == 1
+        loaded_at = value(samples, "kvledger_config_last_reload_success_timestamp_seconds")
+        assert loaded_at is not None and loaded_at > 0
         config(tmp_path, good, hostile)  # adds the second engine, same file
         daemon.process.proc.send_signal(signal.SIGHUP)
         samples = until(daemon, "second engine", lambda s: up(s, "hostile") == 1)
@@ -236,7 +239,11 @@ def test_sighup_reloads_the_configuration_and_keeps_it_when_bad(
             time.sleep(0.1)
         assert "reload failed, the running configuration is kept" in daemon.process.log_tail()
         assert "unknown key(s): timout_seconds" in daemon.process.log_tail()
-        samples, _ = scrape(daemon)
+        # the failure is visible (kvledger_config_last_reload_successful 0, as Prometheus exports
+        # its own), and the last success stays the reload that added the second engine
+        samples = until(daemon, "reload failure exported", lambda s: value(s, "kvledger_config_last_reload_successful") == 0)
+        reloaded_at = value(samples, "kvledger_config_last_reload_success_timestamp_seconds")
+        assert reloaded_at is not None and reloaded_at > loaded_at
         before = good_success(samples)
         samples = until(daemon, "still polling both", lambda s: good_success(s) > before and up(s, "hostile") == 1)
         assert daemon.process.running()

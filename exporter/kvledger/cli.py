@@ -13,6 +13,7 @@ import math
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 from kvledger import __version__
@@ -21,7 +22,7 @@ from kvledger.collect.memory import limit_malloc_arenas
 from kvledger.collect.sources.base import Source
 from kvledger.config.loader import load_config
 from kvledger.config.model import Config, ConfigError
-from kvledger.model.accounts import Accounts
+from kvledger.model.accounts import Accounts, ConfigReload
 from kvledger.model.limits import MAX_CONTEXTS, MAX_TOKENS
 from kvledger.output.json_view import accounts_to_json
 from kvledger.web.server import KvledgerHTTPServer
@@ -137,6 +138,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for warning in config.warnings:
         log.warning("%s", warning)
     collector = _collector(config)
+    collector.config_reload = ConfigReload(True, time.time())
     settle_garbage_collector()
     running = [config]
 
@@ -146,12 +148,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         old = running[0]
         log.info("received SIGHUP: reloading %s", args.config)
+        loaded = collector.config_reload
         try:
             new = load_config(args.config)
             sources, timeouts, base = build_sources(new, previous=(old, collector.sources))
-        except ConfigError as exc:
-            log.error("reload failed, the running configuration is kept: %s", exc)
-            return
+        except Exception as exc:  # any failure keeps the running configuration, and says so
+            collector.config_reload = ConfigReload(False, loaded.success_at if loaded else 0.0)
+            if isinstance(exc, ConfigError):
+                log.error("reload failed, the running configuration is kept: %s", exc)
+                return
+            raise
         if new.listen != old.listen and not args.listen:
             log.warning("listen changed to %s: a restart applies it (still on %s)", new.listen, old.listen)
         if new.otlp_endpoint != old.otlp_endpoint:
@@ -160,6 +166,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         assert server.endpoints is not None  # the daemon's server answers with its endpoints
         server.endpoints = dataclasses.replace(server.endpoints, json_view=new.json_view)
         server.reload_web_config()  # certificates and users; the file's path is read at start
+        collector.config_reload = ConfigReload(True, time.time())
         if collector.reconfigure(sources, base, timeouts, new.sharing, new.interval_seconds, new.limits):
             log.info("configuration reloaded: %d engine(s)", len(new.engines))
         else:

@@ -31,7 +31,7 @@ from kvledger.collect.merge import apply_contribution
 from kvledger.collect.sources.base import Contribution, EngineContribution, GpuContribution, Source, SourceError
 from kvledger.collect.sources.http_client import redact_text
 from kvledger.config.model import LimitsConfig
-from kvledger.model.accounts import Accounts
+from kvledger.model.accounts import Accounts, ConfigReload
 from kvledger.model.facts import EngineFacts, Sharing, Snapshot, SourceHealth
 from kvledger.output.prometheus import check_renderable
 
@@ -111,6 +111,8 @@ class Collector:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     #: the output side's check that an engine's Accounts can be exported (each engine alone)
     render_check: RenderCheck = check_renderable
+    #: the configuration file's load status, set by ``kvledger serve`` at start and at each SIGHUP
+    config_reload: ConfigReload | None = None
 
     def __post_init__(self) -> None:
         self._runners = [
@@ -371,6 +373,7 @@ class Collector:
             taken_at=snapshot.taken_at,
             invariant_totals=dict(self._invariant_totals),
             labels_limited=dict(self._limited_totals),
+            config_reload=self.config_reload,
         )
         with self._lock:
             self._latest = accounts

@@ -98,6 +98,15 @@ class GpuAccount:
     budget_slack: int | None = None  # total - all budget terms incl. reserve; < 0: the budget does not close
 
 
+@dataclass(frozen=True, slots=True)
+class ConfigReload:
+    """The daemon's configuration file: whether its latest load (start or SIGHUP) succeeded,
+    and when the latest successful one was (Unix time)."""
+
+    successful: bool
+    success_at: float
+
+
 @dataclass(slots=True)
 class Accounts:
     engines: list[EngineAccount]
@@ -111,3 +120,5 @@ class Accounts:
     invariant_totals: dict[tuple[str, str], int] = field(default_factory=dict)
     # cumulative label values shortened or dropped by the limits, (engine, label, action)
     labels_limited: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    # the configuration file's load status (``kvledger serve``; None where no file is reloaded)
+    config_reload: ConfigReload | None = None

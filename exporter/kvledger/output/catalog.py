@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvledger import __version__
-from kvledger.model.accounts import Accounts, EngineAccount, PoolAccount
+from kvledger.model.accounts import Accounts, ConfigReload, EngineAccount, PoolAccount
 from kvledger.model.measure import Measure
 
 Sample = tuple[tuple[str, ...], float]
@@ -262,6 +262,14 @@ def _labels_limited(a: Accounts) -> Iterator[Sample]:
         yield (engine, label, action), float(n)
 
 
+def _config_reload(value: Callable[[ConfigReload], float]) -> Callable[[Accounts], Iterator[Sample]]:
+    def samples(a: Accounts) -> Iterator[Sample]:
+        if a.config_reload is not None:
+            yield (), value(a.config_reload)
+
+    return samples
+
+
 def _build_info(a: Accounts) -> Iterator[Sample]:
     yield (__version__,), 1.0
 
@@ -427,6 +435,13 @@ CATALOG: tuple[MetricSpec, ...] = (
                "Engine identity (value 1).", _engine_info),
     MetricSpec("kvledger_build_info", "gauge", "", "info", ("version",),
                "kvledger build (value 1).", _build_info),
+    MetricSpec("kvledger_config_last_reload_successful", "gauge", "", "health", (),
+               "1 when the latest load of the configuration file (at start or on SIGHUP) succeeded; 0 when a "
+               "reload failed and the daemon kept running the previous configuration.",
+               _config_reload(lambda c: 1.0 if c.successful else 0.0)),
+    MetricSpec("kvledger_config_last_reload_success_timestamp_seconds", "gauge", "seconds", "health", (),
+               "Unix time of the latest successful load of the configuration file.",
+               _config_reload(lambda c: c.success_at)),
     MetricSpec("kvledger_source_up", "gauge", "", "health", ("engine", "source"),
                "1 when the source's latest poll succeeded.", _health(lambda h: 1.0 if h.up else 0.0)),
     MetricSpec("kvledger_source_last_success_timestamp_seconds", "gauge", "seconds", "health", ("engine", "source"),

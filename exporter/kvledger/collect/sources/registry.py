@@ -53,17 +53,28 @@ def build_sources(
                 kept.setdefault("", []).append(s)
     sources: list[Source] = []
     timeouts: dict[int, float] = {}
-    for cfg in config.engines:
-        for s in kept.get(cfg.name) or engine_sources(cfg):
-            sources.append(s)
-            timeouts[id(s)] = cfg.timeout_seconds
-    if config.nvml.enabled != "false":
-        if kept.get(""):
-            sources.extend(kept[""])
-        else:
-            from kvledger.collect.sources.nvml import NvmlSource
+    kept_ids = {id(s) for group in kept.values() for s in group}
+    try:
+        for cfg in config.engines:
+            for s in kept.get(cfg.name) or engine_sources(cfg):
+                sources.append(s)
+                timeouts[id(s)] = cfg.timeout_seconds
+        if config.nvml.enabled != "false":
+            if kept.get(""):
+                sources.extend(kept[""])
+            else:
+                from kvledger.collect.sources.nvml import NvmlSource
 
-            nvml = NvmlSource(config.nvml.enabled)
-            if nvml.available():  # auto without a library: no GPU figures, and no alarm
-                sources.append(nvml)
+                nvml = NvmlSource(config.nvml.enabled)
+                if nvml.available():  # auto without a library: no GPU figures, and no alarm
+                    sources.append(nvml)
+                else:
+                    nvml.close()
+    except BaseException:
+        # a configuration that fails half way (a bad URL in the third engine) leaves nothing
+        # running: the sources built for it so far are closed, the kept ones untouched
+        for s in sources:
+            if id(s) not in kept_ids:
+                s.close()
+        raise
     return sources, timeouts, [base_engine_facts(c) for c in config.engines]
