@@ -11,6 +11,7 @@ exported number within 2**53 - 1 unless the exposition check refuses the engine.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -271,7 +272,10 @@ def test_a_usage_that_is_no_whole_number_of_blocks_is_not_exact(usage: float, us
     assert pool.source_violations == (WHOLE_BLOCKS_CHECK,)
     accounts = compute_accounts(Snapshot(engines=[facts]))
     assert WHOLE_BLOCKS_CHECK in accounts.engines[0].invariant_violations
-    assert accounts.engines[0].pools[0].physical.in_use is None or accounts.engines[0].pools[0].physical.in_use.exact is None
+    # never exact: the bound pair of the reading's floor and ceiling (1,023 and 1,024 for 1,023.5)
+    in_use = accounts.engines[0].pools[0].physical.in_use
+    assert in_use is not None and in_use.exact is None
+    assert (in_use.lower, in_use.upper) == (math.floor(usage * usable), math.ceil(usage * usable))
 
 
 @pytest.mark.parametrize("used", [0, 1, 255, 1023, 1024, 2046, 2047])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from test_exposition import rich_snapshot
 
+from kvledger.model.accounts import ConfigReload
 from kvledger.output.catalog import CATALOG
 from kvledger.output.prometheus import render_text
 from kvledger.policy.engine_accounts import compute_accounts
@@ -26,6 +27,7 @@ def rendered() -> str:
     accounts = compute_accounts(rich_snapshot())
     accounts.invariant_totals = {("sim", "partition"): 1}
     accounts.labels_limited = {("sim", "tenant", "dropped"): 3}
+    accounts.config_reload = ConfigReload(successful=True, success_at=1_700_000_000.0)
     return render_text(accounts).decode()
 
 

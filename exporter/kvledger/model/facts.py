@@ -87,6 +87,9 @@ class PoolFacts:
     sliding_window: int | None = None  # tokens, or None
     # Physical state as the source reports it (exact when given).
     in_use: int | None = None
+    # Bounds (lower, upper) on in_use when the engine's reading gives no exact count (a
+    # ratio that is no whole number of blocks): used only while in_use is unknown.
+    in_use_bounds: tuple[int, int] | None = None
     reclaimable: int | None = None
     free: int | None = None
     references: int | None = None

@@ -99,4 +99,8 @@ def physical_state(pool: PoolFacts) -> Physical:
             pool.references,
             pool.shared,
         )
+    if u is None and pool.in_use_bounds is not None:
+        # a reading that is no whole number of blocks: in use lies between its floor and ceiling
+        lower, upper = pool.in_use_bounds
+        return Physical(Measure.bounds(lower, upper), None, None, None, pool.references, pool.shared)
     return Physical(Measure.of(u), None, None, None, pool.references, pool.shared)

@@ -34,8 +34,8 @@ float rounding; it is taken as the exact in-use count only when it lies within
 far above the rounding and far below any real fraction of a block). A reading that is no
 whole number of blocks (0.5 of 2,047 usable blocks is 1,023.5) is not what vLLM's
 arithmetic produces: the engine's claim is violated, the check ``kv_cache_usage_whole_blocks``
-is reported and the pool's in-use count and the claim are left unknown, never rounded to
-an "exact" 1,024.
+is reported, the claim is left unknown and the pool's in-use count becomes the bound pair
+of the reading's floor and ceiling (1,023 and 1,024), never an "exact" 1,024.
 """
 
 from __future__ import annotations
@@ -305,8 +305,11 @@ def vllm_facts_from_metrics(
             usage, violations = None, (USAGE_CHECK,)  # 190 of 127 blocks: impossible, not exported
         claim = usage * usable if usage is not None else None
         in_use = whole_blocks(claim, usable)
+        in_use_bounds = None
         if claim is not None and in_use is None:
-            claim, violations = None, (WHOLE_BLOCKS_CHECK,)  # 1,023.5 blocks: no exact count, not exported
+            # 1,023.5 blocks: no exact count; in use lies between the reading's floor and ceiling
+            in_use_bounds = (math.floor(claim), math.ceil(claim))
+            claim, violations = None, (WHOLE_BLOCKS_CHECK,)
         running = _gauge(exp, RUNNING, rank, pid)
         waiting = _gauge(exp, WAITING, rank, pid)
         if running is not None:
@@ -321,6 +324,7 @@ def vllm_facts_from_metrics(
                 block_bytes=block_bytes,
                 sliding_window=window or None,
                 in_use=in_use,
+                in_use_bounds=in_use_bounds,
                 engine_reported_used_blocks=claim,
                 running_requests=int(running) if running is not None else None,
                 source_violations=violations,
