@@ -23,6 +23,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -250,7 +251,7 @@ def _user_scheduler_class() -> type:
 
 
 @pytest.mark.parametrize("choice", ["sync", "async", "user class", "user qualname"])
-def test_the_chosen_scheduler_is_subclassed_and_kept(fake: ModuleType, sock_dir: Path, choice: str) -> None:
+def test_the_chosen_scheduler_is_subclassed_and_kept(fake: ModuleType, sock_dir: Path, choice: str, caplog: pytest.LogCaptureFixture) -> None:
     from vllm.config.scheduler import SchedulerConfig
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -263,7 +264,10 @@ def test_the_chosen_scheduler_is_subclassed_and_kept(fake: ModuleType, sock_dir:
         "user qualname": fake.EngineSpec(scheduler_cls="vllm.v1.core.sched.async_scheduler.AsyncScheduler"),
     }[choice]
     chosen = {"sync": Scheduler, "async": AsyncScheduler, "user class": user, "user qualname": AsyncScheduler}[choice]
+    caplog.set_level(logging.INFO, logger=LOGGER)
     with ledger_engine(fake, str(sock_dir / "l.sock"), spec) as scheduler:
+        (line,) = [r.getMessage() for r in kv_records(caplog, logging.INFO)]
+        assert line.startswith("kvledger: serving the KV ledger of data-parallel rank 0") and line.endswith(f"; {chosen.__name__})")
         cls = type(scheduler)
         assert cls is not chosen and issubclass(cls, chosen) and issubclass(cls, plugin.LedgerHooks)
         assert cls.__mro__[1:3] == (plugin.LedgerHooks, chosen)
@@ -865,6 +869,109 @@ def test_http_address(fake: ModuleType) -> None:
         assert facts.pools[0].num_blocks == 127
 
 
+# ---------------------------------------------------------------- (g2) data-parallel ranks as vLLM 0.32 runs them
+
+
+def dense_rank(fake: ModuleType, rank: int, **kw: Any) -> Any:
+    """A rank of a dense model's data-parallel engine as vLLM 0.32 builds it: the engine
+    core's config says data_parallel_size 1 and data_parallel_rank 0, only
+    data_parallel_index is the rank."""
+    return fake.EngineSpec(data_parallel_size=2, data_parallel_rank=rank, independent_dp_rank=True, **kw)
+
+
+def test_a_rank_is_known_by_its_index_and_serves_its_own_socket(fake: ModuleType, sock_dir: Path) -> None:
+    schedulers = []
+    try:
+        with environment(**{ENV_LEDGER: f"unix://{sock_dir}/ledger-{{dp_rank}}.sock"}):
+            plugin.register()
+            for rank in (0, 1):
+                scheduler = fake.build_scheduler(dense_rank(fake, rank))
+                parallel = scheduler.vllm_config.parallel_config
+                assert (parallel.data_parallel_size, parallel.data_parallel_rank, parallel.data_parallel_index) == (1, 0, rank)
+                schedulers.append(scheduler)
+        for rank, scheduler in enumerate(schedulers):
+            assert scheduler._kvledger.url == f"unix://{sock_dir}/ledger-{rank}.sock"
+            doc, facts = served(scheduler)
+            assert facts.pools[0].id == str(rank) and doc["integration"]["dp_rank"] == rank
+    finally:
+        for scheduler in schedulers:
+            scheduler._kvledger.close()
+
+
+def test_a_rank_above_0_without_the_placeholder_is_refused_in_one_line(
+    fake: ModuleType, sock_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = sock_dir / "l.sock"
+    with ledger_engine(fake, str(path), dense_rank(fake, 1)) as scheduler:
+        (record,) = kv_records(caplog)
+        assert record.getMessage() == (
+            f"kvledger: the vLLM ledger integration is off for this engine core: KVLEDGER_VLLM_LEDGER='{path}': "
+            "this engine core is data-parallel rank 1: the address must contain {dp_rank} (each rank serves its own pool)"
+        )
+        assert scheduler._kvledger is None and list(sock_dir.iterdir()) == []
+        work = fake.Workload(scheduler)
+        work.add()
+        assert work.drain() > 0
+
+
+def test_two_engine_cores_on_one_socket_the_second_is_refused(
+    fake: ModuleType, sock_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rank 0 of a data-parallel engine cannot tell it has company; two ranks (or two
+    servers) given one path: the first serves, the second is refused in one line naming
+    the holder, and the first one's socket stays served."""
+    path = sock_dir / "l.sock"
+    with environment(**{ENV_LEDGER: str(path)}):
+        plugin.register()
+        first = fake.build_scheduler(fake.EngineSpec())
+        try:
+            assert first._kvledger is not None and not kv_records(caplog)
+            second = fake.build_scheduler(fake.EngineSpec(num_gpu_blocks=64))
+            (record,) = kv_records(caplog)
+            assert record.getMessage() == (
+                f"kvledger: the vLLM ledger integration is off for this engine core: {path} is served by another engine "
+                f"core already (pid {os.getpid()}); with data parallelism put {{dp_rank}} in KVLEDGER_VLLM_LEDGER "
+                "(each rank serves its own pool)"
+            )
+            assert second._kvledger is None
+            _, facts = served(first)  # untouched: still the first engine's pool
+            assert facts.pools[0].num_blocks == 127
+            work = fake.Workload(second)
+            work.add()
+            assert work.drain() > 0
+        finally:
+            first._kvledger.close()
+        # the claim ends with the engine core that held it
+        third = fake.build_scheduler(fake.EngineSpec(num_gpu_blocks=64))
+        try:
+            assert third._kvledger is not None and served(third)[1].pools[0].num_blocks == 63
+        finally:
+            third._kvledger.close()
+
+
+def test_a_socket_another_process_answers_on_is_refused(fake: ModuleType, sock_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = str(sock_dir / "l.sock")
+    with serve_unix(lambda: ledger_doc(), path), ledger_engine(fake, path) as scheduler:
+        (record,) = kv_records(caplog)
+        assert record.getMessage().endswith(
+            f"{path}: another process answers on this socket already; with data parallelism put {{dp_rank}} in "
+            "KVLEDGER_VLLM_LEDGER (each rank serves its own pool)"
+        )
+        assert scheduler._kvledger is None
+        assert fetch(f"unix://{path}")  # the other server keeps its socket
+
+
+def test_a_socket_left_by_a_killed_engine_is_taken_over(fake: ModuleType, sock_dir: Path) -> None:
+    path = sock_dir / "l.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))
+    stale.close()  # the file stays, nothing listens: what SIGKILL leaves
+    (sock_dir / "l.sock.lock").write_text("999999999\n")  # and its lock file, whose lock the kernel dropped
+    with ledger_engine(fake, str(path)) as scheduler:
+        assert scheduler._kvledger is not None and served(scheduler)[1].pools[0].num_blocks == 127
+        assert (sock_dir / "l.sock.lock").read_text() == f"{os.getpid()}\n"
+
+
 # ---------------------------------------------------------------- (h) the throttle
 
 
@@ -1284,7 +1391,7 @@ def test_vllm_source_with_a_live_engine_ledger(fake: ModuleType, sock_dir: Path)
     with metrics_server(METRICS_CPU) as url, ledger_engine(fake, str(path), spec) as scheduler:
         source = VllmSource(vllm_cfg(url, f"unix://{path}"))
         try:
-            assert source.subsource_health() == [SubsourceReport("ledger", False, "not read yet")]
+            assert source.subsource_health() == [SubsourceReport("ledger", False, "not read yet"), SubsourceReport("metrics", False, "not read yet")]
             work = fake.Workload(scheduler, seed=8)
             for _ in range(5):
                 work.add(n_prefix=1)
@@ -1293,7 +1400,7 @@ def test_vllm_source_with_a_live_engine_ledger(fake: ModuleType, sock_dir: Path)
             work.pause(True)
             expected = fake.recount(scheduler)
             facts = source.poll().facts
-            assert source.subsource_health() == [SubsourceReport("ledger", True, None)]
+            assert source.subsource_health() == [SubsourceReport("ledger", True, None), SubsourceReport("metrics", True, None)]
             (pool,) = facts.pools
             assert (pool.in_use, pool.reclaimable, pool.free, pool.references, pool.shared) == tuple(
                 expected[k] for k in ("in_use", "reclaimable", "free", "references", "shared"))
@@ -1305,7 +1412,8 @@ def test_vllm_source_with_a_live_engine_ledger(fake: ModuleType, sock_dir: Path)
 
             scheduler._kvledger.close()  # the ledger goes away; /metrics still answers
             down = source.poll().facts
-            (health,) = source.subsource_health()
+            health, metrics_health = source.subsource_health()
+            assert metrics_health == SubsourceReport("metrics", True, None)
             assert not health.up and health.message is not None and health.message.startswith("connect: ") and str(path) in health.message
             _bounds(down, metrics_facts())
         finally:
@@ -1323,7 +1431,8 @@ def test_vllm_source_keeps_the_bounds_when_the_ledger_misbehaves(sock_dir: Path,
             server.fault = fault
             server.hang_seconds = 2.0
             facts = source.poll().facts
-            (health,) = source.subsource_health()
+            health, metrics_health = source.subsource_health()
+            assert metrics_health == SubsourceReport("metrics", True, None)
             assert not health.up and health.message is not None and health.message.startswith(reason) and path in health.message
             _bounds(facts, metrics_facts())
             server.fault = None
@@ -1344,7 +1453,7 @@ def test_vllm_source_keeps_the_bounds_for_a_ledger_of_another_shape(sock_dir: Pa
         source = VllmSource(vllm_cfg(url, f"unix://{path}"))
         try:
             facts = source.poll().facts
-            assert source.subsource_health() == [SubsourceReport("ledger", False, message.format(path=path))]
+            assert source.subsource_health() == [SubsourceReport("ledger", False, message.format(path=path)), SubsourceReport("metrics", True, None)]
             _bounds(facts, metrics_facts())
         finally:
             source.close()
@@ -1370,7 +1479,7 @@ def test_vllm_source_data_parallel_ranks(fake: ModuleType, sock_dir: Path) -> No
                 work.step()
                 work.pause(True)
             facts = source.poll().facts
-            assert source.subsource_health() == [SubsourceReport("ledger", True, None)]
+            assert source.subsource_health() == [SubsourceReport("ledger", True, None), SubsourceReport("metrics", True, None)]
             assert [(p.id, p.num_blocks, p.in_use) for p in facts.pools] == [(str(r), 2047, fake.recount(s)["in_use"]) for r, s in enumerate(schedulers)]
             assert sorted((r.pool, r.id) for r in facts.requests or []) == sorted(
                 (str(rank), rid) for rank, s in enumerate(schedulers) for rid in fake.recount(s)["requests"])
@@ -1379,7 +1488,8 @@ def test_vllm_source_data_parallel_ranks(fake: ModuleType, sock_dir: Path) -> No
 
             schedulers[1]._kvledger.close()
             facts = source.poll().facts
-            (health,) = source.subsource_health()
+            health, metrics_health = source.subsource_health()
+            assert metrics_health == SubsourceReport("metrics", True, None)
             assert not health.up and health.message is not None and f"{sock_dir}/ledger-1.sock" in health.message
             _bounds(facts, metrics_facts(METRICS_DP2))
         finally:
@@ -1394,11 +1504,276 @@ def test_vllm_source_data_parallel_needs_the_placeholder(sock_dir: Path) -> None
         source = VllmSource(vllm_cfg(url, f"unix://{path}"))
         try:
             facts = source.poll().facts
-            (health,) = source.subsource_health()
+            health, metrics_health = source.subsource_health()
+            assert metrics_health == SubsourceReport("metrics", True, None)
             assert health == SubsourceReport(
                 "ledger", False, f"config: ledger: unix://{path} has no {{dp_rank}}, but /metrics shows 2 data-parallel ranks (each serves its own ledger)")
             _bounds(facts, metrics_facts(METRICS_DP2))
         finally:
+            source.close()
+
+
+# ---------------------------------------------------------------- the ledger beside /metrics (issue 24)
+
+
+class MetricsStub:
+    """A /metrics endpoint whose answer a test changes: a body, an HTTP status or a hang."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self.mode = "ok"  # "ok", "503" or "hang"
+        self.release = threading.Event()
+        stub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if stub.mode == "hang":
+                    stub.release.wait(10)
+                    return
+                status, body = (503, b"busy\n") if stub.mode == "503" else (200, stub.body)
+                self.send_response(status)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/metrics"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@contextmanager
+def metrics_stub(body: bytes) -> Iterator[MetricsStub]:
+    stub = MetricsStub(body)
+    try:
+        yield stub
+    finally:
+        stub.close()
+
+
+def dp_metrics(gauges: dict[str, float], ranks: int = 2, blocks_per_rank: int = 128) -> bytes:
+    """vLLM 0.32's /metrics of a data-parallel engine, the series kvledger reads:
+    ``cache_config_info`` for every rank from the start (num_gpu_blocks summed over the
+    ranks), the usage and request gauges only for the ranks in ``gauges`` (rank: usage),
+    the ones that have served a request."""
+    lines = ["# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig", "# TYPE vllm:cache_config_info gauge"]
+    lines += [
+        f'vllm:cache_config_info{{block_size="32",engine="{r}",kv_cache_memory_bytes="2097152",model_name="tiny",'
+        f'num_gpu_blocks="{ranks * blocks_per_rank}",sliding_window="None"}} 1.0'
+        for r in range(ranks)
+    ]
+    for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"):
+        if gauges:
+            lines += [f"# HELP {name} x", f"# TYPE {name} gauge"]
+        lines += [f'{name}{{engine="{r}",model_name="tiny"}} {usage if name.endswith("perc") else 0.0}'
+                  for r, usage in gauges.items()]
+    return ("\n".join(lines) + "\n").encode()
+
+
+@contextmanager
+def rank_ledgers(sock_dir: Path, ranks: int = 2, **doc: Any) -> Iterator[tuple[str, list[Any]]]:
+    """One document server per rank at ledger-{rank}.sock; yields (the address with
+    {dp_rank}, the servers)."""
+    servers = [serve_unix(lambda r=str(r): ledger_doc(r, **doc), f"{sock_dir}/ledger-{r}.sock") for r in range(ranks)]
+    try:
+        yield f"unix://{sock_dir}/ledger-{{dp_rank}}.sock", servers
+    finally:
+        for server in servers:
+            if not server._stopping.is_set():
+                server.stop()
+
+
+def health(source: VllmSource) -> dict[str, SubsourceReport]:
+    return {r.name: r for r in source.subsource_health()}
+
+
+def assert_exact_ranks(facts: EngineFacts, ranks: int = 2) -> None:
+    """Every rank's pool from its ledger, the requests of every rank, nothing of /metrics' bounds."""
+    assert [p.id for p in facts.pools] == [str(r) for r in range(ranks)]
+    assert all((p.num_blocks, p.in_use, p.reclaimable, p.references) == (127, 20, 10, 24) for p in facts.pools)
+    assert sorted({r.pool for r in facts.requests or []}) == [str(r) for r in range(ranks)] and facts.request_counts is None
+
+
+@pytest.mark.parametrize(("fault", "reason"), [("503", "http_status: "), ("hang", "timeout: "), ("refused", "connect: ")])
+def test_the_ledger_is_exported_while_metrics_is_down(sock_dir: Path, fault: str, reason: str) -> None:
+    """/metrics failing (busy, hanging, gone) hides nothing the ledger serves: the poll gives
+    the ledger's pools of every rank (probed: /metrics never named them), the ``metrics``
+    sub-source says why it is down, and only when the ledger fails too is the source down."""
+    with metrics_stub(dp_metrics({"0": 0.0, "1": 0.0})) as stub, rank_ledgers(sock_dir) as (address, servers):
+        stub.mode = fault
+        url = stub.url
+        if fault == "refused":
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                url = f"http://127.0.0.1:{s.getsockname()[1]}/metrics"
+        source = VllmSource(dataclasses.replace(vllm_cfg(url, address), timeout_seconds=1.0))
+        try:
+            began = time.monotonic()
+            facts = source.poll().facts
+            assert time.monotonic() - began < 1.0  # within the engine's timeout (the collector's deadline for the poll)
+            assert_exact_ranks(facts)
+            assert facts.counters == {} and all(p.engine_reported_used_blocks is None for p in facts.pools)
+            reports = health(source)
+            assert reports["ledger"] == SubsourceReport("ledger", True, None)
+            assert not reports["metrics"].up and (reports["metrics"].message or "").startswith(reason)
+
+            for server in servers:
+                server.stop()
+            with pytest.raises(SourceError) as err:  # neither answers: the source is down, with /metrics' reason
+                source.poll()
+            assert f"{err.value.reason}: " == reason and not health(source)["ledger"].up
+        finally:
+            source.close()
+
+
+def test_a_fresh_data_parallel_engine_is_exact_before_metrics_has_its_gauges(sock_dir: Path) -> None:
+    """vLLM has no usage gauge for a rank until that rank has served a request: a fresh
+    two-rank engine's /metrics is 'missing', then shows one rank (sized as if it were the only
+    one). The ledger's pools are exported all along, checked against cache_config_info; vLLM's
+    own usage claim only where /metrics sized the rank as the ledger does."""
+    with metrics_stub(dp_metrics({})) as stub, rank_ledgers(sock_dir) as (address, _):
+        source = VllmSource(vllm_cfg(stub.url, address))
+        try:
+            facts = source.poll().facts
+            assert_exact_ranks(facts)
+            reports = health(source)
+            assert reports["ledger"].up and reports["metrics"] == SubsourceReport(
+                "metrics", False, "missing: no vllm:kv_cache_usage_perc (nor the 0.10.2 name vllm:gpu_cache_usage_perc) series")
+
+            stub.body = dp_metrics({"1": 20 / 127})  # rank 1 served a request; /metrics reads it as 255 blocks
+            facts = source.poll().facts
+            assert_exact_ranks(facts)
+            assert [p.engine_reported_used_blocks for p in facts.pools] == [None, None] and all(r.up for r in health(source).values())
+
+            stub.body = dp_metrics({"0": 20 / 127, "1": 20 / 127})  # both ranks have served
+            facts = source.poll().facts
+            assert_exact_ranks(facts)
+            assert [p.engine_reported_used_blocks for p in facts.pools] == pytest.approx([20.0, 20.0])
+        finally:
+            source.close()
+
+
+def test_a_ledger_of_another_shape_than_cache_config_info_is_refused_without_gauges(sock_dir: Path) -> None:
+    with metrics_stub(dp_metrics({})) as stub, rank_ledgers(sock_dir, num_blocks=63) as (address, _):
+        source = VllmSource(vllm_cfg(stub.url, address))
+        try:
+            with pytest.raises(SourceError) as err:  # no gauges, no ledger: nothing to export
+                source.poll()
+            assert err.value.reason == "missing"
+            assert health(source)["ledger"] == SubsourceReport(
+                "ledger", False,
+                "schema: ledger of rank 0: 63 blocks of 32 tokens, but /metrics says 127 blocks of 32 (another server on this address?)")
+        finally:
+            source.close()
+
+
+def test_a_slow_ledger_does_not_hold_metrics_back_and_the_reverse(sock_dir: Path) -> None:
+    """Each on its own deadline, side by side: a poll takes one timeout whichever hangs."""
+    with metrics_stub(dp_metrics({"0": 20 / 127, "1": 20 / 127})) as stub, rank_ledgers(sock_dir) as (address, servers):
+        source = VllmSource(dataclasses.replace(vllm_cfg(stub.url, address), timeout_seconds=1.0))
+        try:
+            assert_exact_ranks(source.poll().facts)
+            servers[1].fault, servers[1].hang_seconds = "hang", 3.0
+            began = time.monotonic()
+            facts = source.poll().facts
+            assert time.monotonic() - began < 1.0  # within the engine's timeout (the collector's deadline for the poll)
+            _bounds(facts, metrics_facts(dp_metrics({"0": 20 / 127, "1": 20 / 127})))  # all ranks' bounds, none exact
+            reports = health(source)
+            assert reports["metrics"].up and (reports["ledger"].message or "").startswith("timeout: ")
+            assert f"{sock_dir}/ledger-1.sock" in (reports["ledger"].message or "")
+
+            servers[1].fault = None
+            stub.mode = "hang"
+            began = time.monotonic()
+            facts = source.poll().facts
+            assert time.monotonic() - began < 1.0  # within the engine's timeout (the collector's deadline for the poll)
+            assert_exact_ranks(facts)
+            reports = health(source)
+            assert reports["ledger"].up and (reports["metrics"].message or "").startswith("timeout: ")
+        finally:
+            source.close()
+
+
+def test_ranks_are_all_or_none_while_metrics_is_down(sock_dir: Path) -> None:
+    """Probed ranks are a floor: a rank that answered and no longer does fails the ledger
+    (never rank 0 alone as if the engine had shrunk); /metrics back names the ranks."""
+    with metrics_stub(dp_metrics({"0": 20 / 127, "1": 20 / 127})) as stub, rank_ledgers(sock_dir) as (address, servers):
+        stub.mode = "503"
+        source = VllmSource(vllm_cfg(stub.url, address))
+        try:
+            assert_exact_ranks(source.poll().facts)
+            servers[1].stop()
+            with pytest.raises(SourceError) as err:
+                source.poll()
+            assert err.value.reason == "http_status"
+            assert health(source)["ledger"] == SubsourceReport(
+                "ledger", False, f"connect: ledger: nothing listens at unix://{sock_dir}/ledger-1.sock, but rank 1 answered before")
+
+            stub.mode = "ok"  # /metrics names both ranks: rank 1's ledger is missing, the bounds for both
+            for _ in range(2):  # (the first read began before /metrics answered: it probed once more)
+                facts = source.poll().facts
+                assert [p.id for p in facts.pools] == ["0", "1"] and facts.requests is None
+            assert (health(source)["ledger"].message or "").startswith(f"connect: unix://{sock_dir}/ledger-1.sock: cannot connect")
+        finally:
+            source.close()
+
+
+def test_a_rank_metrics_does_not_name_is_refused(sock_dir: Path) -> None:
+    with metrics_stub(dp_metrics({"0": 0.0}, ranks=1)) as stub, rank_ledgers(sock_dir) as (address, _):
+        source = VllmSource(vllm_cfg(stub.url, address))
+        try:
+            facts = source.poll().facts  # the first read probes (both answer); /metrics names one rank
+            assert facts.requests is None and [p.id for p in facts.pools] == ["0"]
+            assert health(source)["ledger"] == SubsourceReport(
+                "ledger", False, "schema: ledger: a document for data-parallel rank 1, which /metrics does not name")
+            facts = source.poll().facts  # from then on the ranks /metrics names
+            assert [p.id for p in facts.pools] == ["0"] and facts.requests is not None and health(source)["ledger"].up
+        finally:
+            source.close()
+
+
+def test_a_ledger_read_that_outlives_its_poll_is_never_used(sock_dir: Path) -> None:
+    """A read still running when the next poll begins holds older numbers than that poll:
+    the poll does not wait for it nor take its answer (the ledger is down for it), and the
+    poll after it reads afresh."""
+    with metrics_stub(dp_metrics({"0": 20 / 127, "1": 20 / 127})) as stub, rank_ledgers(sock_dir) as (address, _):
+        source = VllmSource(dataclasses.replace(vllm_cfg(stub.url, address), timeout_seconds=0.5))
+        assert source._ledger is not None
+        real_read = source._ledger.read
+        release = threading.Event()
+
+        def stuck_then_stale(*args: Any) -> dict[str, EngineFacts]:
+            ledgers = real_read(*args)
+            release.wait(10)  # the engine core answered, the daemon's thread got no CPU for a while
+            return {rank: dataclasses.replace(facts, pools=[dataclasses.replace(p, in_use=99) for p in facts.pools])
+                    for rank, facts in ledgers.items()}
+
+        try:
+            source._ledger.read = stuck_then_stale  # type: ignore[method-assign]
+            facts = source.poll().facts
+            assert facts.requests is None and health(source)["ledger"].message == "timeout: ledger: no answer within 0.3s"
+            source._ledger.read = real_read  # type: ignore[method-assign]
+            began = time.monotonic()
+            facts = source.poll().facts  # the first read is still running
+            assert time.monotonic() - began < 0.5 and facts.requests is None
+            assert health(source)["ledger"].message == "timeout: ledger: the read of an earlier poll is still running (over 0.3s)"
+            release.set()
+            assert source._ledger_read is not None
+            source._ledger_read.result(5)
+            facts = source.poll().facts
+            assert_exact_ranks(facts)
+            assert health(source)["ledger"].up
+        finally:
+            release.set()
             source.close()
 
 

@@ -35,6 +35,9 @@ class EngineSpec:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # as vLLM 0.32 runs a dense model's rank: data_parallel_size 1 and data_parallel_rank 0 in
+    # the engine core, the rank only in data_parallel_index
+    independent_dp_rank: bool = False
     num_lookahead_tokens: int = 0
     async_scheduling: bool = False
     scheduler_cls: str | type | None = None
@@ -91,6 +94,8 @@ def kv_cache_config(spec: EngineSpec) -> KVCacheConfig:
 def build_scheduler(spec: EngineSpec) -> Scheduler:
     """What EngineCore does: ask the config for the scheduler class, then build it."""
     config = vllm_config(spec)
+    if spec.independent_dp_rank:
+        config.parallel_config.reconfigure_for_independent_dp_rank()
     cls = config.scheduler_config.get_scheduler_cls()
     scheduler: Scheduler = cls(vllm_config=config, kv_cache_config=kv_cache_config(spec), block_size=spec.block_size, log_stats=False)
     return scheduler

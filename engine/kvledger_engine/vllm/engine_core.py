@@ -5,12 +5,20 @@ few set updates; a publication (throttled) reads the blocks and requests that ch
 and hands the result to the document, which the server thread renders on request.
 Every entry point catches everything: the first failure logs one line, stops the server
 and turns the ledger off, and the engine goes on as if it had never been there.
+
+One address, one engine core: a Unix socket is claimed (``claim_address``) before it is
+bound, so a second engine core given the same address (data-parallel ranks without
+``{dp_rank}``, two servers sharing a setting) is refused with one line naming the holder,
+never unlinking the first one's socket; a TCP port is claimed by binding it.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
+import socket
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -18,13 +26,44 @@ from typing import Any
 from kvledger_engine.document_server import LedgerServer
 from kvledger_engine.vllm.document import LedgerDocument, RequestRow
 from kvledger_engine.vllm.internals import EngineView, step_facts
-from kvledger_engine.vllm.settings import Settings
+from kvledger_engine.vllm.settings import DP_PLACEHOLDER, ENV_LEDGER, Settings
 from kvledger_engine.vllm.tracker import PoolTracker, RequestTracker, Throttle
 
 logger = logging.getLogger("vllm.kvledger")
 
 #: the ledger socket's mode: the engine's user and group may connect, nobody else
 SOCKET_MODE = 0o660
+#: what a refused claim adds: the usual cause and its cure
+_CLASH_HINT = f"with data parallelism put {DP_PLACEHOLDER} in {ENV_LEDGER} (each rank serves its own pool)"
+
+
+class AddressTaken(Exception):
+    """Another process serves (or holds the claim on) this engine core's ledger address."""
+
+
+def claim_address(path: str) -> int:
+    """This process's claim on the Unix socket ``path``: an exclusive ``flock`` on
+    ``path + ".lock"`` (the kernel drops it when the process ends, so a killed engine leaves
+    no stale claim; the file stays, holding the last holder's pid) and nothing answering at
+    ``path``. Returns the lock's descriptor (closing it gives the claim up); AddressTaken."""
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, SOCKET_MODE)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+            raise AddressTaken(f"{path} is served by another engine core already (pid {holder}); {_CLASH_HINT}") from None
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(1.0)
+            answered = probe.connect_ex(path) == 0
+        if answered:
+            raise AddressTaken(f"{path}: another process answers on this socket already; {_CLASH_HINT}")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class EngineLedger:
@@ -51,6 +90,7 @@ class EngineLedger:
         self.reqs.touched.update(view.requests)
         self.publish()
         kind, where = settings.endpoint(view.dp_rank, view.dp_size)
+        self._claim: int | None = None
         self.server = self._serve(kind, where)
         self.url = self.server.url
         # last: from here on the pool reports what it changes (into a throwaway set once off)
@@ -64,12 +104,28 @@ class EngineLedger:
             directory = os.path.dirname(where)
             if directory:
                 os.makedirs(directory, exist_ok=True)
-            server = LedgerServer(self.document.render_tagged, unix_path=where, columns=self.document.render_columns)
-            # owner and group may connect (a sidecar shares the group, e.g. Kubernetes fsGroup)
-            os.chmod(where, SOCKET_MODE)
-            return server.start()
+            self._claim = claim_address(where)
+            try:
+                server = LedgerServer(self.document.render_tagged, unix_path=where, columns=self.document.render_columns)
+                # owner and group may connect (a sidecar shares the group, e.g. Kubernetes fsGroup)
+                os.chmod(where, SOCKET_MODE)
+                return server.start()
+            except BaseException:
+                self._release()
+                raise
         host, _, port = where.rpartition(":")
-        return LedgerServer(self.document.render_tagged, host=host, port=int(port), columns=self.document.render_columns).start()
+        try:
+            server = LedgerServer(self.document.render_tagged, host=host, port=int(port), columns=self.document.render_columns)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise AddressTaken(f"{where}: {exc.strerror} (another process serves this port); {_CLASH_HINT}") from None
+            raise
+        return server.start()
+
+    def _release(self) -> None:
+        claim, self._claim = getattr(self, "_claim", None), None
+        if claim is not None:
+            os.close(claim)
 
     # ---------------------------------------------------------------- hooks (engine thread)
     def after_schedule(self, output: Any) -> None:
@@ -195,3 +251,4 @@ class EngineLedger:
                 server.stop()
             except Exception:
                 pass
+        self._release()  # after the socket is gone: the next claimant binds a free path

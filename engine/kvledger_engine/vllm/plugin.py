@@ -57,9 +57,16 @@ def attach(scheduler: Any, settings: Any) -> None:
         return
     scheduler._kvledger = ledger
     logger.info(
-        "kvledger: serving the KV ledger of data-parallel rank %d at %s (%d blocks of %d tokens, %d bytes each)",
+        "kvledger: serving the KV ledger of data-parallel rank %d at %s (%d blocks of %d tokens, %d bytes each; %s)",
         view.dp_rank, ledger.url, view.static.num_blocks, view.static.block_size, view.static.block_bytes,
+        _chosen_class(scheduler),
     )
+
+
+def _chosen_class(scheduler: Any) -> str:
+    """The scheduler class vLLM (or ``--scheduler-cls``) chose, under the ledger's subclass."""
+    mro = type(scheduler).__mro__
+    return mro[mro.index(LedgerHooks) + 1].__name__ if LedgerHooks in mro[:-1] else type(scheduler).__name__
 
 
 class LedgerHooks:

@@ -3,7 +3,12 @@
 - ``KVLEDGER_VLLM_LEDGER`` (the one setting that enables it): where to serve the ledger,
   ``unix:///path/to/socket`` or an absolute socket path, or ``http://127.0.0.1:PORT``.
   ``{dp_rank}`` in it is replaced by the data-parallel rank; with data parallelism it must
-  be there (each rank is its own process and serves its own pool).
+  be there (each rank is its own process and serves its own pool). The rank is what vLLM
+  gives the engine core: for a dense model vLLM makes every rank an independent engine
+  (``data_parallel_size`` 1, ``data_parallel_rank`` 0) and only ``data_parallel_index``
+  tells the ranks apart, so a rank above 0 is data parallelism whatever the size says; rank
+  0 of such an engine cannot tell, and a second engine core claiming an address already
+  served is refused when it binds (``engine_core.claim_address``).
 - ``KVLEDGER_VLLM_TENANT``: ``priority`` (the request's priority, as text) or ``request``
   (``vllm_xargs.kvledger_tenant`` of the request body, which the ``TenantHeader``
   middleware fills from a header); unset: no tenant.
@@ -63,12 +68,19 @@ class Settings:
         return settings
 
     def endpoint(self, dp_rank: int, dp_size: int) -> tuple[str, str]:
-        """("unix", path) or ("http", "host:port") for this rank."""
-        if dp_size > 1 and DP_PLACEHOLDER not in self.address:
-            raise SettingsError(
-                f"{ENV_LEDGER}={self.address!r}: with {dp_size} data-parallel ranks the address must contain "
-                f"{DP_PLACEHOLDER} (each rank serves its own pool)"
-            )
+        """("unix", path) or ("http", "host:port") for this rank (``dp_rank``: vLLM's
+        ``data_parallel_index``; ``dp_size``: what the engine core's configuration says)."""
+        if DP_PLACEHOLDER not in self.address:
+            if dp_size > 1:
+                raise SettingsError(
+                    f"{ENV_LEDGER}={self.address!r}: with {dp_size} data-parallel ranks the address must contain "
+                    f"{DP_PLACEHOLDER} (each rank serves its own pool)"
+                )
+            if dp_rank > 0:
+                raise SettingsError(
+                    f"{ENV_LEDGER}={self.address!r}: this engine core is data-parallel rank {dp_rank}: the address "
+                    f"must contain {DP_PLACEHOLDER} (each rank serves its own pool)"
+                )
         address = self.address.replace(DP_PLACEHOLDER, str(dp_rank))
         if address.startswith("/"):
             return "unix", address

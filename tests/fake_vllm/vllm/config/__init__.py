@@ -32,6 +32,12 @@ class ParallelConfig:
         # vLLM 0.32: Field(init=False), the rank of this engine core among the DP ranks
         self.data_parallel_index = self.data_parallel_rank
 
+    def reconfigure_for_independent_dp_rank(self) -> None:
+        """What vLLM 0.32's engine-core process does for a dense (non-MoE) model's rank:
+        it becomes an independent engine, and only data_parallel_index keeps the rank."""
+        self.data_parallel_size = 1
+        self.data_parallel_rank = 0
+
 
 @dataclass
 class VllmConfig:

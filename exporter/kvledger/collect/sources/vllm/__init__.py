@@ -6,5 +6,8 @@
 - ``events_wire``: KV-event payloads (msgpack) decoded;
 - ``events_state``: the cached-block multiset per DP rank, its sequence gaps and replays;
 - ``events_subscriber``: the ZMQ thread (SUB for events, DEALER for replays);
-- ``startup_log``: the startup log's memory profile -> budget terms.
+- ``startup_log``: the startup log's memory profile -> budget terms;
+- ``engine_documents``: the in-engine ledger (kvledger_engine.vllm), one document per
+  data-parallel rank, read beside /metrics on its own deadline; exact pools and requests
+  in place of the bounds, for all ranks or none.
 """

@@ -1,12 +1,20 @@
-"""The ``kind: vllm`` source: /metrics, plus optional KV events (ZMQ) and startup log.
+"""The ``kind: vllm`` source: /metrics, plus optional KV events (ZMQ), startup log and ledger.
 
 ``poll()`` GETs ``cfg.url`` (bounded by ``cfg.timeout_seconds`` as a total deadline),
 maps it with ``vllm_facts_from_metrics`` and merges the secondary sub-sources:
 - KV events: ``pool.cached_blocks`` per DP rank (None while the count cannot be trusted),
   ``kv_events`` by type and ``kv_events_lost``;
 - startup log: measured memory terms per GPU;
-- the in-engine ledger (``ledger:``, sources/vllm/ledger.py): exact pools and requests in
-  place of the /metrics bounds, all ranks or none.
+- the in-engine ledger (``ledger:``, sources/vllm/engine_documents.py): exact pools and
+  requests in place of the /metrics bounds, all ranks or none.
+With a ledger, /metrics and the ledger are read side by side, each on its own deadline
+(the ledger in a thread of this source): the ledger's ranks come from the last
+``cache_config_info`` /metrics gave (or, before that and while /metrics is down, from
+probing the ledger's addresses), so a slow, failing or incomplete /metrics (a fresh
+data-parallel engine has no usage gauge for a rank that has not served a request yet)
+never hides the exact pools; each part ends ``HAND_OVER_SECONDS`` before the engine's
+timeout, so that the poll as a whole meets it. Then /metrics is a sub-source too
+(``metrics``): the poll fails only when neither gives facts.
 A change of ``process_start_time_seconds`` (the API server's own series) between two
 polls means the engine restarted: the KV-event count of the old run is dropped then, even
 before the new run publishes anything (an idle restarted engine publishes nothing).
@@ -18,16 +26,31 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from kvledger.collect.sources.base import EngineContribution, Source, SourceError, SubsourceReport
 from kvledger.collect.sources.http_client import HttpClient
 from kvledger.collect.sources.model_config import ModelConfig
-from kvledger.collect.sources.vllm.engine_documents import LedgerReader, merge_ledger
+from kvledger.collect.sources.prom_text import parse_exposition
+from kvledger.collect.sources.vllm.engine_documents import CacheShape, LedgerReader, merge_ledger
 from kvledger.collect.sources.vllm.events_subscriber import KvEventSubscriber
 from kvledger.collect.sources.vllm.metrics import vllm_facts_from_metrics
 from kvledger.collect.sources.vllm.startup_log import VllmLogReader, memory_terms
 from kvledger.config.model import EngineConfig
 from kvledger.model.facts import EngineFacts
+
+#: with a ledger, /metrics and the ledger each get the engine's timeout less this (at most
+#: half of it): the collector's deadline for the whole poll is that timeout, and merging the
+#: two and handing the ledger's thread over must fit in it (a poll that succeeds a moment
+#: after the deadline would be marked down, its facts dropped, and up again)
+HAND_OVER_SECONDS = 0.2
+
+
+def part_timeout(timeout: float) -> float:
+    """The deadline of /metrics and of the ledger, each, when both are read."""
+    return max(timeout / 2, timeout - HAND_OVER_SECONDS)
 
 _START_TIME = re.compile(r"^process_start_time_seconds(?:\{\})? (\S+)(?: -?[0-9]+)?$", re.MULTILINE)
 
@@ -50,8 +73,10 @@ class VllmSource(Source):
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         self.engine = cfg.name
+        ledger = cfg.option("ledger")
+        self._part_timeout = part_timeout(cfg.timeout_seconds) if ledger else cfg.timeout_seconds
         self._http = HttpClient(
-            cfg.url, timeout=cfg.timeout_seconds, max_bytes=cfg.max_response_bytes, accept="text/plain;version=0.0.4"
+            cfg.url, timeout=self._part_timeout, max_bytes=cfg.max_response_bytes, accept="text/plain;version=0.0.4"
         )
         self._model_config = ModelConfig(cfg)
         self._events: KvEventSubscriber | None = None
@@ -63,29 +88,86 @@ class VllmSource(Source):
         self._log = VllmLogReader(log_file) if log_file else None
         self._log_error: str | None = "not read yet" if log_file else None
         self._started_at: float | None = None  # the engine's process_start_time_seconds
-        ledger = cfg.option("ledger")
-        self._ledger = LedgerReader(ledger, cfg) if ledger else None
+        self._ledger = LedgerReader(ledger, cfg, self._part_timeout) if ledger else None
         self._ledger_error: str | None = "not read yet" if ledger else None
+        self._metrics_error: str | None = "not read yet" if ledger else None
+        # the ledger's ranks: cache_config_info's of the last /metrics that had it, and whether
+        # that was the last poll's (else the reader probes for ranks beyond them)
+        self._ranks: tuple[str, ...] = ()
+        self._ranks_current = False
+        self._ledger_pool = ThreadPoolExecutor(1, thread_name_prefix=f"kvledger-ledger-{cfg.name}") if ledger else None
+        self._ledger_read: Future[dict[str, EngineFacts]] | None = None
 
     def poll(self) -> EngineContribution:
-        text = self._http.get_text()
-        facts = vllm_facts_from_metrics(text, self.cfg, self._model_config.load())
-        self._note_start_time(process_start_time(text))
+        if self._ledger is None:
+            text = self._http.get_text()
+            facts = vllm_facts_from_metrics(text, self.cfg, self._model_config.load())
+            self._note_start_time(process_start_time(text))
+        else:
+            facts = self._poll_with_ledger(self._ledger)
         facts = self._merge_events(facts)
         facts = self._merge_log(facts)
-        facts = self._merge_ledger(facts)
         return EngineContribution(facts)
 
-    def _merge_ledger(self, facts: EngineFacts) -> EngineFacts:
-        if self._ledger is None:
-            return facts
+    def _poll_with_ledger(self, ledger: LedgerReader) -> EngineFacts:
+        """/metrics here and the ledger in its thread, side by side; the ledger's pools when
+        it answered for every rank, else the /metrics bounds; SourceError (the /metrics one)
+        when neither gave facts."""
+        began = time.monotonic()
+        read = self._start_ledger_read(ledger)
+        metrics: EngineFacts | None = None
+        metrics_error: SourceError | None = None
+        shape: CacheShape | None = None
         try:
-            merged = merge_ledger(facts, self._ledger.read([p.id for p in facts.pools]))
+            text = self._http.get_text()
+            self._note_start_time(process_start_time(text))
+            exposition = parse_exposition(text)
+            shape = CacheShape.of_metrics(exposition)
+            metrics = vllm_facts_from_metrics(exposition, self.cfg, self._model_config.load())
+        except SourceError as exc:
+            metrics_error = exc
+        self._metrics_error = None if metrics_error is None else f"{metrics_error.reason}: {metrics_error.message}"
+        if shape is not None:
+            self._ranks, self._ranks_current = shape.ranks, True
+        else:
+            self._ranks_current = False
+        facts: EngineFacts | None = None
+        try:
+            ledgers = self._finish_ledger_read(read, began)
+            if shape is not None:
+                ledger.check_ranks(shape.ranks)
+            base = metrics if metrics is not None else EngineFacts(name=self.cfg.name, kind="vllm", source="vllm")
+            facts = merge_ledger(base, ledgers, shape)
         except SourceError as exc:
             self._ledger_error = f"{exc.reason}: {exc.message}"
-            return facts  # the /metrics bounds, for every pool
-        self._ledger_error = None
-        return merged
+        else:
+            self._ledger_error = None
+        if facts is not None:
+            return facts
+        if metrics is None:
+            assert metrics_error is not None
+            raise metrics_error
+        return metrics  # the /metrics bounds, for every pool
+
+    def _start_ledger_read(self, ledger: LedgerReader) -> Future[dict[str, EngineFacts]] | None:
+        """This poll's read, begun now; None while an earlier poll's read still runs (its
+        answer would be older than this poll: it is never used, and this poll has none)."""
+        earlier = self._ledger_read
+        if earlier is not None and not earlier.done():
+            return None
+        assert self._ledger_pool is not None
+        read = self._ledger_pool.submit(ledger.read, self._ranks, not self._ranks_current)
+        self._ledger_read = read
+        return read
+
+    def _finish_ledger_read(self, read: Future[dict[str, EngineFacts]] | None, began: float) -> dict[str, EngineFacts]:
+        if read is None:
+            raise SourceError("timeout", f"ledger: the read of an earlier poll is still running (over {self._part_timeout:g}s)")
+        left = began + self._part_timeout + HAND_OVER_SECONDS / 2 - time.monotonic()
+        try:
+            return read.result(timeout=max(0.0, left))
+        except FutureTimeout:
+            raise SourceError("timeout", f"ledger: no answer within {self._part_timeout:g}s") from None
 
     def _note_start_time(self, started_at: float | None) -> None:
         if started_at is None:
@@ -119,7 +201,8 @@ class VllmSource(Source):
         return dataclasses.replace(facts, memory=list(facts.memory) + terms)
 
     def subsource_health(self) -> list[SubsourceReport]:
-        """kv_events and log, for the configured sub-sources."""
+        """kv_events, log, and ledger with metrics (/metrics itself, beside the ledger), for the
+        configured sub-sources."""
         out: list[SubsourceReport] = []
         if self._events is not None:
             up, reason = self._events.health()
@@ -129,12 +212,15 @@ class VllmSource(Source):
             out.append(SubsourceReport("log", self._log_error is None, message))
         if self._ledger is not None:
             out.append(SubsourceReport("ledger", self._ledger_error is None, self._ledger_error))
+            out.append(SubsourceReport("metrics", self._metrics_error is None, self._metrics_error))
         return out
 
     def close(self) -> None:
         self._http.abort()
         if self._ledger is not None:
             self._ledger.close()
+        if self._ledger_pool is not None:
+            self._ledger_pool.shutdown(wait=False, cancel_futures=True)
         if self._events is not None:
             self._events.close()
             self._events = None
