@@ -33,9 +33,23 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("real vLLM")
         for server in _servers:
             starts = ", ".join(f"{s:.1f} s" for s in server.start_history)
-            terminalreporter.write_line(f"server starts (to healthy): {starts}")
+            flags = f" ({' '.join(server.extra_args)})" if server.extra_args else ""
+            terminalreporter.write_line(f"server starts (to healthy){flags}: {starts}")
         for log in _logs:
             terminalreporter.write_line(f"server log: {log}")
+
+
+def track_server(server: VllmServer) -> None:
+    """A module's own server: its start times and log in the summary."""
+    _servers.append(server)
+    _logs.append(server.log_path)
+
+
+def stop_shared_servers() -> None:
+    """Stop every server started so far (a module that runs its own engine last gives it the
+    machine); a stopped session server is not started again."""
+    for server in _servers:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

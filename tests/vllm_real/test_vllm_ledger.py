@@ -14,7 +14,8 @@ A real Prometheus with kvledger's rules (the generator's test variant: every ``f
 scrapes the daemon all along, to show the overcommit alert firing on a vLLM.
 
 The last test restarts the shared server with the integration off (vLLM unchanged, the daemon
-falls back to the /metrics bounds): this module must stay the last of the suite.
+falls back to the /metrics bounds): this module must stay the last one on the session server
+(test_vllm_ledger_dp_async.py, after it, stops that server and runs its own).
 """
 
 from __future__ import annotations
