@@ -240,3 +240,15 @@ def test_unreadable_model_config_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(SourceError) as e:
         vllm_facts_from_metrics((FIXTURES / "vllm-0.10.2-gpu-duplicates.txt").read_text(), cfg)
     assert e.value.reason == "config" and "absent.json" in e.value.message
+
+
+def test_a_rank_without_a_usage_gauge_yet_still_has_its_pool() -> None:
+    """vLLM exports a rank's usage gauge only once the rank has served a request, but its
+    cache_config_info from the start: the ranks are counted from the latter, so rank 0's
+    pool is not sized as if it held the blocks of both (num_gpu_blocks is their total)."""
+    text = (FIXTURES / "vllm-0.12-dp2.txt").read_text()
+    both = vllm_facts_from_metrics(text, _cfg())
+    fresh = "\n".join(ln for ln in text.splitlines() if 'engine="1"' not in ln or ln.startswith("vllm:cache_config_info")) + "\n"
+    facts = vllm_facts_from_metrics(fresh, _cfg())
+    assert [(p.id, p.num_blocks) for p in facts.pools] == [(p.id, p.num_blocks) for p in both.pools] == [("0", 2047), ("1", 2047)]
+    assert facts.pools[0].in_use == both.pools[0].in_use and facts.pools[1].in_use is None

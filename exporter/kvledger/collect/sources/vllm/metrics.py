@@ -248,7 +248,14 @@ def vllm_facts_from_metrics(
     usage_series = samples(exp, *USAGE)
     if not usage_series:
         raise SourceError("missing", f"no {USAGE[0]} (nor the 0.10.2 name {USAGE[1]}) series")
-    ranks = sorted({s.labels.get(RANK_LABEL, "0") for s in usage_series}, key=_rank_key)
+    # every rank vLLM sized (cache_config_info is exported for each from the start), not only
+    # those with a usage gauge yet: a rank that has served no request has none, and counting
+    # it out would size the others' pools too large (num_gpu_blocks is the ranks' total)
+    ranks = sorted(
+        {s.labels.get(RANK_LABEL, "0") for s in usage_series}
+        | {s.labels.get(RANK_LABEL, "0") for s in exp.get(CACHE_CONFIG, [])},
+        key=_rank_key,
+    )
     infos = _cache_info(exp, ranks)
     shape = None
     model_loaded = False
