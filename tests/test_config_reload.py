@@ -35,7 +35,7 @@ def test_a_failed_build_closes_what_it_built() -> None:
     config = config_from_mapping(HALF_BAD)
     before = _threads_and_fds()
     for _ in range(20):
-        with pytest.raises(ConfigError, match="engine 'b'.*unsupported scheme 'ipc'"):
+        with pytest.raises(ConfigError, match=r"engine 'b'.*unsupported scheme 'ipc'"):
             build_sources(config)
     deadline = time.monotonic() + 5
     while _threads_and_fds() != before and time.monotonic() < deadline:

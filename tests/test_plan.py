@@ -467,17 +467,17 @@ def test_plan_equals_vllms_own_arithmetic_for_hybrid_models(case: dict[str, Any]
         assert padding == {vllm["mamba_page_size_padded"] - vllm["kv_cache_groups"][0]["state_bytes"]}
         assert f"padded by {vllm['mamba_padding_percent']:.2f} %" in " ".join(r.notes)
     i = case["inputs"]
-    if (i["mamba_cache_dtype"], i["mamba_ssm_cache_dtype"], i["mamba_cache_mode"]) == ("auto", "auto", "align"):
-        # the command gives the same numbers
-        code, out, _ = run(capsys, str(ROOT / "tests" / "fixtures" / "plan" / i["config"]),
-                           "--tp", str(i["tensor_parallel"]), "--kv-dtype", i["kv_dtype"],
-                           "--block-size", str(i["block_size"]), "--max-model-len", str(i["max_model_len"]),
-                           "--max-num-batched-tokens", str(i["max_num_batched_tokens"]),
-                           "--kv-cache-memory-bytes", str(i["kv_cache_memory_bytes"]), "--weights", "1GiB:estimate",
-                           "--json")
-        doc = json.loads(out)
-        assert code == 0 and doc["kv"]["num_blocks"] == vllm["num_blocks"]
-        assert [g["layers"] for g in doc["kv_cache_groups"]] == [g["layers"] for g in vllm["kv_cache_groups"]]
+    # the command gives the same numbers, with vLLM's own flags for the state dtypes and prefix caching
+    code, out, _ = run(capsys, str(ROOT / "tests" / "fixtures" / "plan" / i["config"]),
+                       "--tp", str(i["tensor_parallel"]), "--kv-dtype", i["kv_dtype"],
+                       "--block-size", str(i["block_size"]), "--max-model-len", str(i["max_model_len"]),
+                       "--max-num-batched-tokens", str(i["max_num_batched_tokens"]),
+                       "--kv-cache-memory-bytes", str(i["kv_cache_memory_bytes"]), "--weights", "1GiB:estimate",
+                       "--mamba-cache-dtype", i["mamba_cache_dtype"], "--mamba-ssm-cache-dtype", i["mamba_ssm_cache_dtype"],
+                       *(["--no-enable-prefix-caching"] if i["mamba_cache_mode"] == "none" else []), "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["kv"]["num_blocks"] == vllm["num_blocks"]
+    assert [g["layers"] for g in doc["kv_cache_groups"]] == [g["layers"] for g in vllm["kv_cache_groups"]]
 
 
 def test_golden_cases_cover_the_three_large_hybrids_and_the_served_ones() -> None:

@@ -426,6 +426,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_cache_memory_bytes=size("--kv-cache-memory-bytes", args.kv_cache_memory_bytes),
                 lengths=lengths, lengths_spec=spec, min_concurrency=args.min_concurrency,
+                mamba_cache_dtype=args.mamba_cache_dtype, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+                mamba_cache_mode="align" if args.prefix_caching else "none",
             )
             report = plan_from_model(inp)
     except PlanError as exc:
@@ -489,6 +491,12 @@ def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     pl.add_argument("--kv-dtype", default="auto", help="auto (the model's dtype), bfloat16, float16, fp8 ...")
     pl.add_argument("--weights-dtype", default="auto", help="dtype of unquantized weights (auto: the config's)")
     pl.add_argument("--block-size", type=_positive, default=16, metavar="TOKENS")
+    pl.add_argument("--mamba-cache-dtype", default="auto",
+                    help="linear-attention (Mamba) conv state dtype, as vLLM's flag (auto: the model's)")
+    pl.add_argument("--mamba-ssm-cache-dtype", default="auto",
+                    help="linear-attention recurrent state dtype, as vLLM's flag (auto: the conv state's)")
+    pl.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false",
+                    help="as vLLM's flag: linear-attention states take one block per request (mamba cache mode none)")
     pl.add_argument("--max-model-len", type=_positive, metavar="TOKENS", help="default: max_position_embeddings")
     pl.add_argument("--max-num-seqs", type=_positive, default=256, help="default 256 (give the engine's)")
     pl.add_argument("--max-num-batched-tokens", type=_positive, metavar="TOKENS",
