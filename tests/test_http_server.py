@@ -333,3 +333,234 @@ def test_client_allowed_sans_refuses_other_certificates(collector: Collector, tm
             status(other)  # signed by the client CA, but none of its SANs is allowed
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------- hardening (issue 25)
+
+
+def test_content_length_with_transfer_encoding_refused(collector: Collector) -> None:
+    """Both framings on one request (request-smuggling hygiene): 400, one answer, closed."""
+    server = serve(collector)
+    try:
+        for method in (b"GET", b"POST"):
+            sock = raw(server)
+            sock.sendall(method + b" /-/healthy HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\nGET /-/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+            data = read_until_closed(sock)
+            assert data.startswith(b"HTTP/1.1 400 ") and data.count(b"HTTP/1.1 ") == 1, data
+            assert b"both Content-Length and Transfer-Encoding" in data
+        sock = raw(server)  # each alone is still fine
+        sock.sendall(b"GET /-/healthy HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+                     b"GET /-/healthy HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\nab")
+        assert read_until_closed(sock).count(b"HTTP/1.1 200 OK") == 2
+    finally:
+        server.stop()
+
+
+def test_content_length_is_ascii_digits_only() -> None:
+    from kvledger.web.connection import ascii_int
+
+    assert ascii_int("0") == 0 and ascii_int(b"0042") == 42 and ascii_int("9" * 18) == 10**18 - 1
+    for bad in ("", "\u0663", "\uff13", "+3", "-3", " 3", "3 ", "3_0", "0x1", "1e3", "3.0", "9" * 19, b"\xd9\xa3", b"+3"):
+        assert ascii_int(bad) is None, bad
+
+
+def test_idle_connections_make_room_for_a_scraper(collector: Collector) -> None:
+    """At the connection cap a new connection closes the longest-silent one instead of
+    being refused; a kept-alive connection that was answered goes only after every silent one."""
+    collector.poll_once()
+    server = serve(collector, limits=ServerLimits(max_connections=50))
+    host, port = server.server_address
+    socks: list[socket.socket] = []
+    try:
+        kept = http.client.HTTPConnection(host, port, timeout=10)
+        kept.request("GET", "/-/healthy")
+        assert kept.getresponse().read() == b"kvledger is healthy.\n"
+        for _ in range(80):  # more silent connections than the cap
+            socks.append(raw(server))
+        for _ in range(5):
+            t0 = time.monotonic()
+            conn = http.client.HTTPConnection(host, port, timeout=10)
+            conn.request("GET", "/metrics")
+            resp = conn.getresponse()
+            assert resp.status == 200 and b"kvledger_build_info" in resp.read()
+            conn.close()
+            assert time.monotonic() - t0 < 1.0
+        assert socks[0].recv(1) == b""  # the oldest silent ones were closed
+        kept.request("GET", "/-/healthy")  # the answered kept-alive one was not
+        assert kept.getresponse().read() == b"kvledger is healthy.\n"
+        assert server.connections.open <= 50 and server.connections.evicted >= 30
+    finally:
+        for s in socks:
+            s.close()
+        server.stop()
+
+
+def test_connection_cap_fits_the_open_file_limit(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import resource
+
+    from kvledger.web import server as server_module
+
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(server_module.resource, "getrlimit", lambda _r: (1024, 4096))
+    monkeypatch.setattr(server_module.resource, "setrlimit", lambda _r, lim: calls.append(lim))
+    limits = ServerLimits(max_connections=10_000, backlog=1024)
+    # the soft limit is raised toward the hard one; the cap is what the hard one holds
+    with caplog.at_level("WARNING", logger="kvledger.web.server"):
+        assert server_module.connection_cap(limits) == 4096 - 1024 - server_module.FD_RESERVE
+    assert calls == [(4096, 4096)] and "open-file limit 4096" in caplog.text
+    monkeypatch.setattr(server_module.resource, "getrlimit", lambda _r: (1024, 1024))
+    assert server_module.connection_cap(limits) == 512  # never less than half the descriptors
+    monkeypatch.setattr(server_module.resource, "getrlimit", lambda _r: (1024, resource.RLIM_INFINITY))
+    calls.clear()
+    assert server_module.connection_cap(limits) == 10_000 and calls == [(10_000 + 1024 + server_module.FD_RESERVE,
+                                                                          resource.RLIM_INFINITY)]
+
+
+def _auth_server(collector: Collector, tmp_path: Path, **limits: object) -> KvledgerHTTPServer:
+    web = tmp_path / "web.yml"
+    web.write_text(yaml.safe_dump({"basic_auth_users": {"prom": bcrypt_hash("right")}}))
+    return serve(collector, web_config_file=web, limits=ServerLimits(**limits))  # type: ignore[arg-type]
+
+
+def _status(port: int, password: str | None, conn: http.client.HTTPConnection | None = None) -> tuple[int, http.client.HTTPResponse]:
+    c = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    headers = {"Authorization": basic_auth_header("prom", password)} if password is not None else {}
+    c.request("GET", "/-/healthy", headers=headers)
+    resp = c.getresponse()
+    resp.read()
+    if conn is None:
+        c.close()
+    return resp.status, resp
+
+
+def test_wrong_password_flood_does_not_delay_a_known_scraper(collector: Collector, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """bcrypt (made to take 0.3 s here) runs in the gate's own thread, never in the request
+    pool: 16 clients guessing passwords do not make a scraper whose password is remembered
+    wait (before: every check, even a remembered one, queued behind theirs in 8 workers)."""
+    import secrets
+    import threading
+
+    from kvledger.web import basic_auth
+
+    real = basic_auth.bcrypt.checkpw
+    threads: set[str] = set()
+
+    def slow(password: bytes, hashed: bytes) -> bool:
+        threads.add(threading.current_thread().name)
+        time.sleep(0.3)
+        return bool(real(password, hashed))
+
+    monkeypatch.setattr(basic_auth.bcrypt, "checkpw", slow)
+    server = _auth_server(collector, tmp_path, auth_failure_delay=0.05)
+    port = server.server_address[1]
+    stop = threading.Event()
+    answers: list[int] = []
+
+    def guess() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        while not stop.is_set():
+            answers.append(_status(port, secrets.token_hex(6), conn)[0])
+
+    flood = [threading.Thread(target=guess, daemon=True) for _ in range(16)]
+    try:
+        assert _status(port, "right")[0] == 200  # verified once, then remembered
+        for t in flood:
+            t.start()
+        time.sleep(0.5)
+        latencies = []
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        for _ in range(10):
+            t0 = time.perf_counter()
+            assert _status(port, "right", conn)[0] == 200
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.05)
+        assert max(latencies) < 0.25, latencies  # one bcrypt takes 0.3 s here
+    finally:
+        stop.set()
+        for t in flood:
+            t.join(timeout=10)
+        server.stop()
+    assert {401, 429} <= set(answers)  # guesses were checked (one thread) and the excess refused at once
+    assert threads and all(name.startswith("kvledger-bcrypt") for name in threads)
+
+
+def test_refused_passwords_are_held_back_and_remembered(collector: Collector, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvledger.web import basic_auth
+
+    calls: list[bytes] = []
+    real = basic_auth.bcrypt.checkpw
+    monkeypatch.setattr(basic_auth.bcrypt, "checkpw", lambda p, h: calls.append(p) or real(p, h))
+    server = _auth_server(collector, tmp_path, auth_failure_delay=0.2)
+    port = server.server_address[1]
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        for password in ("wrong", "wrong", "wrong", None):
+            t0 = time.monotonic()
+            status, resp = _status(port, password, conn)
+            assert status == 401 and resp.getheader("WWW-Authenticate") == "Basic"
+            assert time.monotonic() - t0 >= 0.19  # held back: a guessing client gets a few answers a second
+        assert calls == [b"wrong"]  # a repeated wrong password costs one bcrypt check
+        t0 = time.monotonic()
+        assert _status(port, "right", conn)[0] == 200 and _status(port, "right", conn)[0] == 200
+        assert time.monotonic() - t0 < 0.2 and calls == [b"wrong", b"right"]  # the remembered failure locks nobody out
+    finally:
+        server.stop()
+
+
+def test_password_checks_beyond_the_gate_get_429(collector: Collector, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from kvledger.web import basic_auth
+
+    real = basic_auth.bcrypt.checkpw
+    monkeypatch.setattr(basic_auth.bcrypt, "checkpw", lambda p, h: time.sleep(0.5) or real(p, h))
+    server = _auth_server(collector, tmp_path, auth_per_client=1, auth_failure_delay=0.0)
+    port = server.server_address[1]
+    results: list[tuple[int, str | None]] = []
+
+    def one(i: int) -> None:
+        status, resp = _status(port, f"guess-{i}")
+        results.append((status, resp.getheader("Retry-After")))
+
+    try:
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(timeout=10)
+        assert sorted(results) == [(401, None), (429, "1"), (429, "1"), (429, "1")]
+        assert server.auth_gate.shed == 3
+    finally:
+        server.stop()
+
+
+def test_a_silent_connection_costs_no_task_and_keeps_its_deadline(collector: Collector) -> None:
+    """A connection is made an asyncio connection only at its first byte; its first request
+    must still be complete within header_timeout of the connection, not of that byte; one
+    closed before sending anything frees its place."""
+    server = serve(collector, limits=ServerLimits(header_timeout=1.0))
+    try:
+        silent = [raw(server) for _ in range(20)]
+        time.sleep(0.2)
+        assert server.connections.open == 20 and len(server._silent) == 20 and not server._connections
+        for s in silent[:10]:
+            s.close()
+        deadline = time.monotonic() + 5
+        while server.connections.open != 10:
+            assert time.monotonic() < deadline, server.connections.open
+            time.sleep(0.05)
+        late = raw(server)
+        connected = time.monotonic()
+        time.sleep(0.7)
+        late.sendall(b"GET /-/healthy HTTP/1.1\r\n")  # the first byte, late; then nothing more
+        assert closed_by_server(late)
+        assert time.monotonic() - connected < 1.5  # header_timeout from the connection (1 s), not from the byte
+        for s in silent[10:]:
+            assert closed_by_server(s)  # silent ones closed after header_timeout too
+        assert time.monotonic() - connected < 2.5
+    finally:
+        server.stop()

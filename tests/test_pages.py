@@ -154,6 +154,17 @@ def test_the_lab_documents_numbers() -> None:
     ("capacity=257&working_set=4", "capacity must be between 1 and 256"),
     ("capacity=4&working_set=4097", "working_set must be between 1 and 4096"),
     ("capacity=4&working_set=4&requests=4097", "requests must be between 1 and 4096"),
+    # ASCII digits only: int() would read every one of these as a number
+    ("capacity=%D9%A3&working_set=4", "capacity must be an integer"),  # Arabic-Indic three
+    ("capacity=%EF%BC%94&working_set=4", "capacity must be an integer"),  # fullwidth four
+    ("capacity=4&working_set=%E0%A5%AA", "working_set must be an integer"),  # Devanagari four
+    ("capacity=%2B4&working_set=4", "capacity must be an integer"),  # +4
+    ("capacity=%204&working_set=4", "capacity must be an integer"),  # " 4"
+    ("capacity=4%0A&working_set=4", "capacity must be an integer"),  # "4\n"
+    ("capacity=1_0&working_set=4", "capacity must be an integer"),
+    ("capacity=-1&working_set=4", "capacity must be an integer"),
+    ("capacity=4&working_set=4&requests=0x10", "requests must be an integer"),
+    ("capacity=4&working_set=4&requests=" + "9" * 5000, "requests must be an integer"),
 ])
 def test_the_lab_refuses_what_it_cannot_run(query: str, message: str) -> None:
     with pytest.raises(LabRequestError, match=message):
@@ -234,6 +245,8 @@ def test_routes_and_their_headers(collector: Collector) -> None:
         assert status == 200 and json.loads(body)["totals"]["hits"] == 12
         status, headers, body = fetch(server, "/lab/run.json?capacity=0&working_set=4")
         assert status == 400 and json.loads(body) == {"error": "capacity must be between 1 and 256"}
+        status, headers, body = fetch(server, "/lab/run.json?capacity=%D9%A3&working_set=4")  # an Arabic-Indic 3
+        assert status == 400 and json.loads(body) == {"error": "capacity must be an integer (ASCII digits 0-9 only)"}
         status, headers, body = fetch(server, "/static/ledger.js")
         assert status == 200 and headers["content-type"].startswith("text/javascript") and b"ui/ledger.json" in body
         assert fetch(server, "/static/kvledger.css")[1]["content-type"].startswith("text/css")

@@ -1,6 +1,6 @@
 """The exporter-toolkit web config: every field parsed, bad values and unknown keys
-named with the file and key; basic-auth verification and its cache; the config key
-and the flag."""
+named with the file and key; basic-auth verification, its caches and the gate that runs
+bcrypt; the config key and the flag."""
 
 from __future__ import annotations
 
@@ -188,7 +188,8 @@ def test_basic_auth_verifies_and_caches(monkeypatch: pytest.MonkeyPatch) -> None
     assert calls == [b"s3cret"]  # verified once, then remembered
     assert not auth.check(basic_auth_header("prometheus", "wrong"))
     assert not auth.check(basic_auth_header("prometheus", "wrong"))
-    assert calls.count(b"wrong") == 2  # failures are never remembered
+    assert calls.count(b"wrong") == 1  # a failure is remembered too: a repeated wrong password costs one bcrypt
+    assert auth.check(good) and calls.count(b"s3cret") == 1  # ... and never blocks the right one
     assert not auth.check(basic_auth_header("other", "s3cret"))  # the cache is per user
     assert not auth.check(basic_auth_header("nobody", "s3cret"))  # unknown users pay bcrypt too
     assert calls[-1] == b"s3cret"
@@ -218,3 +219,71 @@ def test_web_config_file_is_read_like_the_configuration(tmp_path: Path) -> None:
     (tmp_path / "twice.yml").write_text("http_server_config: {}\nhttp_server_config: {}\n")
     with pytest.raises(ConfigError, match=r"twice.yml: invalid YAML at line 2.*duplicate key"):
         load_web_config(tmp_path / "twice.yml")
+
+
+def test_remembered_verdicts_are_keyed_bounded_and_never_lock_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Verdicts are kept under a keyed hash of the whole credential (no password, no plain
+    hash of one), in two bounded tables: wrong passwords only ever evict wrong passwords."""
+    auth = BasicAuth({"prometheus": bcrypt_hash("s3cret", rounds=4).encode()}, cache_size=2, failure_cache_size=8)
+    good = basic_auth_header("prometheus", "s3cret")
+    assert auth.check(good)
+    for i in range(50):  # a brute force: every password new
+        assert not auth.check(basic_auth_header("prometheus", f"guess-{i}"))
+    assert len(auth._failed) == 8 and len(auth._ok) == 1  # bounded; the success survived the flood
+    checks = auth.bcrypt_checks
+    assert auth.check(good) and auth.bcrypt_checks == checks  # still remembered: no bcrypt
+    cred = auth.credential(good)
+    assert cred is not None and b"s3cret" not in cred.mac and "s3cret" not in repr(cred)
+    other = BasicAuth(dict(auth.users))  # another process (or config) keys differently
+    other_cred = other.credential(good)
+    assert other_cred is not None and other_cred.mac != cred.mac
+    # a remembered success is checked against the hash in force
+    auth.users["prometheus"] = bcrypt_hash("new", rounds=4).encode()
+    assert auth.remembered(cred) is False
+
+
+def test_auth_gate_runs_bcrypt_in_its_own_pool_fairly() -> None:
+    """bcrypt runs in the gate's own thread; one client gets at most ``per_client`` checks
+    waiting (then None: 429), a second client's check is served before the first one's
+    backlog (round robin), and the same credential is checked once however many ask."""
+    import asyncio
+    import threading
+    import time
+
+    from kvledger.web.basic_auth import AuthGate, client_key
+
+    threads: list[str] = []
+    order: list[str] = []
+
+    class SlowAuth(BasicAuth):
+        def verify(self, cred):  # type: ignore[no-untyped-def]
+            threads.append(threading.current_thread().name)
+            order.append(cred.password)
+            time.sleep(0.02)
+            return cred.password == "right"
+
+    auth = SlowAuth({"u": bcrypt_hash("right", rounds=4).encode()})
+
+    async def scenario() -> tuple[list[bool | None], list[bool | None], list[bool | None]]:
+        gate = AuthGate(workers=1, per_client=3, queued=100)
+        try:
+            flood = [asyncio.ensure_future(gate.check(auth, auth.credential(basic_auth_header("u", f"w{i}")), "10.0.0.1"))  # type: ignore[arg-type]
+                     for i in range(5)]
+            await asyncio.sleep(0)
+            same = [asyncio.ensure_future(gate.check(auth, auth.credential(basic_auth_header("u", "right")), "10.0.0.2"))  # type: ignore[arg-type]
+                    for _ in range(10)]
+            first = await asyncio.gather(*flood)
+            second = await asyncio.gather(*same)
+            v6 = [await gate.check(auth, auth.credential(basic_auth_header("u", f"x{i}")), f"2001:db8::{i}")  # type: ignore[arg-type]
+                  for i in range(2)]
+            return first, second, v6
+        finally:
+            gate.close()
+
+    first, second, v6 = asyncio.run(scenario())
+    assert first == [False, False, False, None, None]  # three admitted, two refused at once
+    assert second == [True] * 10 and order.count("right") == 1  # ten asked, one bcrypt
+    assert order.index("right") < order.index("w2")  # round robin: not behind the whole backlog of the first client
+    assert v6 == [False, False] and all(name.startswith("kvledger-bcrypt") for name in threads)
+    assert client_key("2001:db8::1") == client_key("2001:db8::ffff") == "2001:db8::/64"
+    assert client_key("::ffff:10.0.0.1") == "10.0.0.1" and client_key("10.0.0.1") == "10.0.0.1"

@@ -12,7 +12,20 @@ the server's limits apply here:
   request; ``Expect: 100-continue`` is answered;
 - each response goes out in one write (headers and body together, TCP_NODELAY is
   asyncio's default), so a keep-alive request never waits on Nagle and delayed ACKs;
-- a response not taken by the client within ``write_timeout`` seconds closes it.
+- a response not taken by the client within ``write_timeout`` seconds closes it;
+- a response with a ``delay`` (a refused password) is held back that long, the
+  connection holding no thread meanwhile: a client guessing on a kept-alive connection
+  gets at most 1/delay answers a second;
+- a request with both Content-Length and Transfer-Encoding gets 400 (request-smuggling
+  hygiene: the two framings could be read differently by a proxy in front);
+- numbers read from a request (Content-Length here, query parameters in the pages) are
+  ASCII digits only (``ascii_int``): ``int()`` would also take signs, spaces, underscores
+  and other scripts' digits.
+
+At most ``max_connections`` are open (``ConnectionTable``): at the cap a new connection
+closes the one that has waited longest with no request being answered, so idle or silent
+connections can never lock a scraper out; only a connection whose request is being
+answered is never closed to make room.
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from email.utils import formatdate
@@ -45,12 +59,21 @@ class ServerLimits:
     write_timeout: float = 30.0
     max_header_bytes: int = 16 * 1024
     max_body_bytes: int = 64 * 1024
-    #: threads answering requests (rendering /metrics, bcrypt); idle connections hold none
+    #: threads answering requests (rendering /metrics); idle connections hold none
     workers: int = 8
     #: listen(2) backlog (the kernel caps it at net.core.somaxconn)
     backlog: int = 1024
-    #: connections beyond this are closed at once
+    #: open connections; at this many a new one closes the longest-idle one (ConnectionTable)
+    #: and is refused only when every open connection has a request being answered
     max_connections: int = 10_000
+    #: threads checking bcrypt passwords (their own pool, kvledger.web.basic_auth.AuthGate)
+    auth_workers: int = 1
+    #: bcrypt checks one client address may have waiting or running; more are answered 429
+    auth_per_client: int = 4
+    #: bcrypt checks waiting in all; more are answered 429
+    auth_queue: int = 256
+    #: seconds a refused password's answer (401, 429) is held back (no thread is held)
+    auth_failure_delay: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -59,6 +82,8 @@ class Request:
     target: str
     #: lower-case names; a repeated header's values joined with ", "
     headers: dict[str, str]
+    #: the client's address (IP), "" when unknown
+    peer: str = ""
 
 
 @dataclass(frozen=True)
@@ -67,9 +92,99 @@ class Response:
     body: bytes = b""
     headers: tuple[tuple[str, str], ...] = ()
     close: bool = False
+    #: seconds to hold the response back (a refused password: the client's next try waits,
+    #: and the connection holds no thread meanwhile)
+    delay: float = 0.0
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+#: the most digits ``ascii_int`` reads (every number a request may carry fits)
+MAX_DIGITS = 18
+
+
+def ascii_int(text: str | bytes) -> int | None:
+    """A non-negative decimal integer of ASCII digits only (1 to MAX_DIGITS of them), or
+    None: no sign, space, underscore or other script's digits, all of which ``int()``
+    takes (``int("\u0663") == 3``)."""
+    if not 0 < len(text) <= MAX_DIGITS or not text.isascii() or not text.isdigit():
+        return None
+    return int(text)
+
+
+class Slot:
+    """One open connection's place in a ConnectionTable; ``closer`` closes the connection
+    at once (set by whoever holds it now: the raw socket's, then the transport's abort)."""
+
+    __slots__ = ("_table", "closer", "open")
+
+    def __init__(self, table: ConnectionTable) -> None:
+        self._table = table
+        self.closer: Callable[[], object] | None = None
+        self.open = True
+
+    def busy(self) -> None:
+        """A request is being answered: never closed to make room."""
+        self._table._new.pop(self, None)
+        self._table._kept.pop(self, None)
+
+    def waiting(self) -> None:
+        """The response is held back (a refused password) or written and not yet taken by
+        the client: the connection may be closed to make room, as a silent one may."""
+        if self.open:
+            self._table._new[self] = None
+
+    def idle(self) -> None:
+        """Answered; waiting for the next request (kept alive)."""
+        if self.open:
+            self._table._new.pop(self, None)
+            self._table._kept[self] = None
+            self._table._kept.move_to_end(self)
+
+    def release(self) -> None:
+        """The connection is closed (idempotent)."""
+        if self.open:
+            self.open = False
+            self.busy()
+            self._table.open -= 1
+
+    def evict(self) -> None:
+        self.release()
+        if self.closer is not None:
+            self.closer()
+
+
+class ConnectionTable:
+    """The open connections of a server, at most ``limit``, each with its Slot; on the
+    event loop only. At the limit, ``admit`` closes one to make room: first the one open
+    longest that never had a request answered (silent, or still sending its first
+    request), else the kept-alive one idle longest; a connection with a request being
+    answered is never closed (one whose response is held back or not taken by its client
+    is), and when every one has, the new connection is refused."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+        self.evicted = 0  # connections closed to make room
+        self.refused = 0  # new connections refused: every open one busy
+        self._new: OrderedDict[Slot, None] = OrderedDict()  # no request answered yet (or a response not taken), oldest first
+        self._kept: OrderedDict[Slot, None] = OrderedDict()  # kept alive, least recently answered first
+
+    def admit(self) -> Slot | None:
+        """A Slot for a new connection (closing another when at the limit); None: refuse it.
+        The caller sets its ``closer`` before anything else may run."""
+        if self.open >= self.limit:
+            victims = self._new or self._kept
+            if not victims:
+                self.refused += 1
+                return None
+            victim, _ = victims.popitem(last=False)
+            victim.evict()
+            self.evicted += 1
+        slot = Slot(self)
+        self.open += 1
+        self._new[slot] = None
+        return slot
 
 
 class _DateCache:
@@ -112,12 +227,14 @@ class _Reject(Exception):
 
 
 async def _read_request(conn: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                        limits: ServerLimits, first: bool) -> Request | None:
+                        limits: ServerLimits, first: bool, peer: str = "", first_deadline: float | None = None) -> Request | None:
     """The next complete request (its body read and dropped); None when the client
     closed or a timeout expired; _Reject for a request refused with a status."""
     loop = asyncio.get_running_loop()
     started = first or bool(conn.trailing_data[0])
     deadline = loop.time() + (limits.header_timeout if started else limits.idle_timeout)
+    if first and first_deadline is not None:
+        deadline = first_deadline
     request: h11.Request | None = None
     body = 0
     while True:
@@ -146,8 +263,11 @@ async def _read_request(conn: h11.Connection, reader: asyncio.StreamReader, writ
             size = len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers)
             if size > limits.max_header_bytes:
                 raise _Reject(431, f"request headers larger than {limits.max_header_bytes} bytes")
+            names = {name for name, _ in event.headers}
+            if b"content-length" in names and b"transfer-encoding" in names:
+                raise _Reject(400, "bad request: both Content-Length and Transfer-Encoding")
             length = dict(event.headers).get(b"content-length")
-            if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
+            if length is not None and ((n := ascii_int(length)) is None or n > limits.max_body_bytes):
                 raise _Reject(413, f"request body larger than {limits.max_body_bytes} bytes")
             if conn.client_is_waiting_for_100_continue:
                 writer.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])) or b"")
@@ -162,7 +282,7 @@ async def _read_request(conn: h11.Connection, reader: asyncio.StreamReader, writ
                 key = name.decode("latin-1")
                 text = value.decode("latin-1")
                 headers[key] = f"{headers[key]}, {text}" if key in headers else text
-            return Request(request.method.decode("ascii"), request.target.decode("latin-1"), headers)
+            return Request(request.method.decode("ascii"), request.target.decode("latin-1"), headers, peer)
         else:  # ConnectionClosed
             return None
 
@@ -179,14 +299,19 @@ def _response_bytes(conn: h11.Connection, response: Response, head: bool) -> byt
 
 
 async def serve_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, handle: Handler,
-                           limits: ServerLimits) -> None:
-    """Answer requests on one connection until it closes, errs or times out."""
+                           limits: ServerLimits, slot: Slot | None = None, first_deadline: float | None = None) -> None:
+    """Answer requests on one connection until it closes, errs or times out; ``slot``
+    (its place in the server's ConnectionTable) is told when a request is being answered;
+    the first request must be complete by ``first_deadline`` (event-loop time) when given,
+    else within ``header_timeout``."""
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
+    peername = writer.get_extra_info("peername")
+    peer = str(peername[0]) if isinstance(peername, tuple) and peername else ""
     first = True
     try:
         while True:
             try:
-                request = await _read_request(conn, reader, writer, limits, first)
+                request = await _read_request(conn, reader, writer, limits, first, peer, first_deadline)
             except _Reject as rej:
                 writer.write(_error_bytes(rej.status, str(rej)))
                 async with asyncio.timeout(limits.write_timeout):
@@ -195,13 +320,23 @@ async def serve_connection(reader: asyncio.StreamReader, writer: asyncio.StreamW
             first = False
             if request is None:
                 return
+            if slot is not None:
+                slot.busy()
             response = await handle(request)
+            if response.delay > 0:
+                if slot is not None:
+                    slot.waiting()
+                await asyncio.sleep(response.delay)
             writer.write(_response_bytes(conn, response, request.method == "HEAD"))
+            if slot is not None and writer.transport.get_write_buffer_size():
+                slot.waiting()
             async with asyncio.timeout(limits.write_timeout):
                 await writer.drain()
             if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                 return
             conn.start_next_cycle()
+            if slot is not None:
+                slot.idle()
     except (ConnectionError, TimeoutError, OSError, h11.ProtocolError) as exc:
         log.debug("connection ended: %s", exc)
     finally:

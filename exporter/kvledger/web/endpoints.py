@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import threading
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -80,12 +81,21 @@ class MetricsBody:
             self._lock.release()
 
 
+#: an Accept-Encoding weight (RFC 9110 §12.4.2), ASCII digits only
+_QVALUE = re.compile(r"(?:0(?:\.[0-9]{0,3})?|1(?:\.0{0,3})?)", re.ASCII)
+
+
 def accepts_gzip(header: str) -> bool:
-    """Whether an Accept-Encoding header accepts gzip (not refused with q=0)."""
+    """Whether an Accept-Encoding header accepts gzip: named without a weight, or with a
+    weight above zero; a malformed weight is read as a refusal (plain text is always served)."""
     for part in header.split(","):
         coding, *params = (p.strip() for p in part.split(";"))
         if coding.lower() in ("gzip", "x-gzip"):
-            return not any(p.replace(" ", "") in ("q=0", "q=0.0", "q=0.00", "q=0.000") for p in params)
+            for param in params:
+                name, _, value = (x.strip() for x in param.partition("="))
+                if name.lower() == "q":
+                    return _QVALUE.fullmatch(value) is not None and value.strip("0.") != ""
+            return True
     return False
 
 

@@ -25,7 +25,7 @@ from kvledger import __version__
 from kvledger.model.accounts import Accounts
 from kvledger.output.catalog import BY_NAME
 from kvledger.tools.lab import MAX_REQUESTS, run_lab
-from kvledger.web.connection import Request, Response
+from kvledger.web.connection import Request, Response, ascii_int
 
 HTML = "text/html; charset=utf-8"
 JSON = "application/json"
@@ -242,10 +242,9 @@ def _int_param(query: dict[str, list[str]], name: str, low: int, high: int, defa
         if default is None:
             raise LabRequestError(f"{name} is required")
         return default
-    try:
-        value = int(values[-1])
-    except ValueError:
-        raise LabRequestError(f"{name} must be an integer") from None
+    value = ascii_int(values[-1])  # ASCII digits only: int() would read "%D9%A3" (Arabic-Indic three) as 3
+    if value is None:
+        raise LabRequestError(f"{name} must be an integer (ASCII digits 0-9 only)")
     if not low <= value <= high:
         raise LabRequestError(f"{name} must be between {low} and {high}")
     return value

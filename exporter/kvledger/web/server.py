@@ -3,27 +3,50 @@
 
 An asyncio event loop in one thread accepts connections and parks idle keep-alive ones
 (they hold no thread); h11 parses requests (kvledger.web.connection); a bounded pool
-of worker threads renders the responses and checks bcrypt passwords. TLS and basic auth
-come from an exporter-toolkit web config file (kvledger.web.web_config), reloaded by
-``reload_web_config()`` and whenever one of its files changes.
+of worker threads renders the responses. TLS and basic auth come from an exporter-toolkit
+web config file (kvledger.web.web_config), reloaded by ``reload_web_config()`` and
+whenever one of its files changes.
+
+What an attacker cannot do to the scrapers:
+
+- starve them with passwords: a remembered verdict (right or wrong) is answered on the
+  event loop; bcrypt runs only behind the AuthGate, in its own one-thread pool at the
+  lowest priority with a queue per client address, and a check the gate refuses is
+  answered 429 (kvledger.web.basic_auth); every refusal (401, 429) is held back
+  ``auth_failure_delay`` seconds, holding no thread, so each kept-alive connection of a
+  guessing client gets at most a few answers a second;
+- lock them out with connections: at ``max_connections`` a new connection closes the one
+  idle longest (kvledger.web.connection.ConnectionTable). The cap is kept below the
+  process' open-file limit (whose soft value is raised toward the hard one, as Go
+  programs do), so accept(2) never fails for want of a descriptor. Connections are
+  accepted ACCEPT_BATCH at a time, and one that has sent nothing yet costs its socket and
+  a watch on it (no task, no stream): only its first byte makes it an asyncio
+  connection, so a flood of silent connections is taken, and swept out after
+  ``header_timeout``, cheaply.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import errno
+import functools
 import ipaddress
 import logging
+import resource
 import socket
 import ssl
 import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol, cast
 
 from kvledger.collect.collector import Collector
 from kvledger.output.prometheus import process_registry
-from kvledger.web.connection import Request, Response, ServerLimits, close_quietly, serve_connection
+from kvledger.web.basic_auth import AuthGate, BasicAuth
+from kvledger.web.connection import ConnectionTable, Request, Response, ServerLimits, Slot, ascii_int, close_quietly, serve_connection
 from kvledger.web.endpoints import TEXT, Endpoints
 from kvledger.web.runtime import WebRuntime
 from kvledger.web.tls import sans_allowed
@@ -38,12 +61,50 @@ class Responder(Protocol):
 
 
 UNAUTHORIZED = Response(401, b"Unauthorized\n", (("Content-Type", TEXT), ("WWW-Authenticate", "Basic")))
+#: a password check the AuthGate refused (too many waiting): no bcrypt was run
+TOO_MANY = Response(429, b"Too many password checks waiting; retry later\n", (("Content-Type", TEXT), ("Retry-After", "1")))
+
+#: descriptors kept for everything but client connections (sources, logs, files), beyond the backlog
+FD_RESERVE = 256
+#: connections accepted per wake-up of the event loop (others' requests are answered between batches)
+ACCEPT_BATCH = 64
+#: seconds accepting pauses when accept(2) fails for want of descriptors or memory
+ACCEPT_RETRY_DELAY = 1.0
+#: how often connections that never sent a byte are checked for their header_timeout, and
+#: how many are closed at a time
+SWEEP_INTERVAL = 0.5
+SWEEP_BATCH = 512
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
     host, _, port = listen.rpartition(":")
     host = host.strip("[]") or "0.0.0.0"
-    return host, int(port)
+    number = ascii_int(port)
+    if number is None or number > 65535:
+        raise ValueError(f"invalid port in listen address {listen!r}")
+    return host, number
+
+
+def connection_cap(limits: ServerLimits) -> int:
+    """``limits.max_connections``, or fewer when the open-file limit cannot hold them with
+    the backlog and FD_RESERVE besides; raises the soft RLIMIT_NOFILE toward the hard one
+    first (as the Go runtime does for every Go exporter)."""
+    wanted = limits.max_connections + limits.backlog + FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        if target > soft:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                soft = target
+            except (ValueError, OSError) as exc:
+                log.debug("could not raise the open-file limit to %d: %s", target, exc)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return limits.max_connections
+    cap = max(soft // 2, soft - limits.backlog - FD_RESERVE)
+    log.warning("open-file limit %d (hard %d) holds %d connections, not max_connections %d; raise it "
+                "(ulimit -n, LimitNOFILE=) to serve more", soft, hard, cap, limits.max_connections)
+    return cap
 
 
 def is_loopback(host: str) -> bool:
@@ -80,8 +141,16 @@ class KvledgerHTTPServer:
         self.socket = socket.create_server((host, port), family=family, backlog=self.limits.backlog)
         self.server_address: tuple[str, int] = self.socket.getsockname()[:2]
         self._pool = ThreadPoolExecutor(max_workers=self.limits.workers, thread_name_prefix="kvledger-http")
+        #: the open connections (on the event loop); at its cap the longest idle one is closed
+        self.connections = ConnectionTable(connection_cap(self.limits))
+        #: bcrypt checks, in their own pool, queued per client
+        self.auth_gate = AuthGate(self.limits.auth_workers, self.limits.auth_per_client, self.limits.auth_queue)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._server: asyncio.Server | None = None
+        self._accepting = False
+        self._adopting: set[asyncio.Task[None]] = set()  # accepted sockets being made connections
+        #: accepted connections that have sent nothing yet, oldest first: (socket, accepted at)
+        self._silent: OrderedDict[Slot, tuple[socket.socket, float]] = OrderedDict()
+        self._sweeper: asyncio.Handle | None = None
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._connections: set[asyncio.Task[None]] = set()
@@ -116,6 +185,7 @@ class KvledgerHTTPServer:
             self._thread.join(timeout=10)
         self.socket.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.auth_gate.close()
 
     def _run(self) -> None:
         loop = asyncio.new_event_loop()
@@ -130,13 +200,132 @@ class KvledgerHTTPServer:
             loop.close()
 
     async def _listen(self) -> None:
-        self._server = await asyncio.start_server(self._on_connect, sock=self.socket, backlog=self.limits.backlog,
-                                                  limit=self.limits.max_header_bytes * 2)
+        # accept(2) here rather than asyncio.start_server, whose loop takes up to `backlog`
+        # connections per wake-up and then makes them all ready at once: a burst of
+        # thousands would hold the event loop for a long while; ACCEPT_BATCH at a time,
+        # other connections' requests are answered between batches
+        loop = asyncio.get_running_loop()
+        self.socket.setblocking(False)
+        self.socket.listen(self.limits.backlog)
+        loop.add_reader(self.socket.fileno(), self._accept)
+        self._accepting = True
+
+    def _accept(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        for _ in range(ACCEPT_BATCH):
+            try:
+                conn, _address = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # out of descriptors or memory: stop accepting a moment, as asyncio does
+                    log.error("cannot accept connections (%s); retrying in %.0f s", exc.strerror or exc, ACCEPT_RETRY_DELAY)
+                    loop.remove_reader(self.socket.fileno())
+                    loop.call_later(ACCEPT_RETRY_DELAY, self._resume_accepting)
+                    return
+                continue  # one connection failed (ECONNABORTED ...)
+            slot = self.connections.admit()
+            if slot is None:  # every open connection has a request being answered
+                conn.close()
+                continue
+            # a new connection costs a socket and a watch on it until its first byte comes
+            # (a request, or a TLS ClientHello): only then is it made an asyncio connection
+            conn.setblocking(False)
+            slot.closer = functools.partial(self._close_silent, conn, slot)
+            self._silent[slot] = (conn, loop.time())
+            loop.add_reader(conn.fileno(), self._first_bytes, conn, slot)
+            if self._sweeper is None:
+                self._sweeper = loop.call_later(SWEEP_INTERVAL, self._sweep)
+
+    def _resume_accepting(self) -> None:
+        if self._accepting and self._loop is not None:
+            self._loop.add_reader(self.socket.fileno(), self._accept)
+
+    def _close_silent(self, conn: socket.socket, slot: Slot) -> None:
+        """Close a connection that has sent nothing yet (evicted, timed out, shut down)."""
+        assert self._loop is not None
+        self._silent.pop(slot, None)
+        if conn.fileno() >= 0:
+            self._loop.remove_reader(conn.fileno())
+        conn.close()
+        slot.release()
+
+    def _sweep(self) -> None:
+        """Close connections silent for ``header_timeout`` seconds since they were accepted."""
+        loop = self._loop
+        assert loop is not None
+        self._sweeper = None
+        oldest = loop.time() - self.limits.header_timeout
+        for _ in range(SWEEP_BATCH):
+            if not self._silent:
+                return
+            slot, (conn, accepted) = next(iter(self._silent.items()))
+            if accepted > oldest:
+                break
+            self._close_silent(conn, slot)
+        else:  # more may be due: go on after other work
+            self._sweeper = loop.call_soon(self._sweep)
+            return
+        self._sweeper = loop.call_later(SWEEP_INTERVAL, self._sweep)
+
+    def _first_bytes(self, conn: socket.socket, slot: Slot) -> None:
+        """A silent connection became readable: made a connection, or closed at EOF."""
+        loop = self._loop
+        assert loop is not None
+        loop.remove_reader(conn.fileno())
+        _, accepted = self._silent.pop(slot, (conn, loop.time()))
+        try:
+            peek = conn.recv(1, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            peek = b"?"
+        except OSError:
+            peek = b""
+        if not peek:  # closed (or reset) before sending anything
+            conn.close()
+            slot.release()
+            return
+        task = loop.create_task(self._adopt(conn, slot, accepted))
+        slot.closer = task.cancel
+        self._adopting.add(task)
+        task.add_done_callback(self._adopting.discard)
+        task.add_done_callback(functools.partial(self._adopted, conn, slot))
+
+    def _adopted(self, conn: socket.socket, slot: Slot, task: asyncio.Task[None]) -> None:
+        failed = task.cancelled() or task.exception() is not None
+        if failed:
+            if not task.cancelled():
+                log.error("accepted connection not served", exc_info=task.exception())
+            conn.close()  # a no-op when its transport closed it
+            slot.release()
+
+    async def _adopt(self, conn: socket.socket, slot: Slot, accepted: float) -> None:
+        """An accepted socket, made an asyncio stream connection (``_on_connect`` is called as it is made)."""
+        loop = asyncio.get_running_loop()
+        limit = self.limits.max_header_bytes * 2
+
+        def connected(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self._on_connect(reader, writer, slot, accepted)
+
+        def protocol() -> asyncio.StreamReaderProtocol:
+            return asyncio.StreamReaderProtocol(asyncio.StreamReader(limit=limit, loop=loop), connected, loop=loop)
+
+        try:
+            await loop.connect_accepted_socket(protocol, conn)
+        except OSError as exc:
+            log.debug("accepted connection lost: %s", exc)
+            conn.close()
+            slot.release()
 
     async def _shutdown(self) -> None:
-        assert self._server is not None and self._loop is not None
-        self._server.close()
-        for task in list(self._connections):
+        assert self._loop is not None
+        if self._accepting:
+            self._accepting = False
+            self._loop.remove_reader(self.socket.fileno())
+        for slot, (conn, _) in list(self._silent.items()):
+            self._close_silent(conn, slot)
+        for task in [*self._adopting, *self._connections]:
             task.cancel()
         if self._connections:
             await asyncio.wait(list(self._connections), timeout=5)
@@ -144,24 +333,31 @@ class KvledgerHTTPServer:
 
     # ------------------------------------------------------------------ connections
 
-    def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> asyncio.Future[None] | None:
+    def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, slot: Slot, accepted: float) -> None:
         # Not a coroutine function: called as the connection is made, so reading can be paused
-        # before any byte arrives (a TLS ClientHello must reach the TLS layer, not the reader).
-        if len(self._connections) >= self.limits.max_connections:
+        # before any byte is read (a TLS ClientHello must reach the TLS layer, not the reader).
+        if not slot.open:  # closed to make room meanwhile
             writer.transport.abort()
-            return None
+            return
+        slot.closer = writer.transport.abort
         cast(asyncio.Transport, writer.transport).pause_reading()
-        task = asyncio.ensure_future(self._serve(reader, writer))
+        task = asyncio.ensure_future(self._serve(reader, writer, slot, accepted))
         self._connections.add(task)
         task.add_done_callback(self._connections.discard)
-        return None
+        task.add_done_callback(lambda _t: slot.release())
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, slot: Slot, accepted: float) -> None:
+        """One connection: the TLS handshake (within header_timeout of the connection), then
+        its requests; the first request within header_timeout of the connection (plain) or
+        of the handshake (TLS)."""
         self.web.maybe_reload()
         state = self.web.state
+        deadline: float | None = accepted + self.limits.header_timeout
         try:
             if state.ssl_context is not None:
-                await writer.start_tls(state.ssl_context, ssl_handshake_timeout=self.limits.header_timeout)
+                remaining = max(0.1, accepted + self.limits.header_timeout - asyncio.get_running_loop().time())
+                await writer.start_tls(state.ssl_context, ssl_handshake_timeout=remaining)
+                deadline = None
                 tls = state.config.tls
                 assert tls is not None
                 if not sans_allowed(tls, writer.get_extra_info("peercert")):
@@ -172,7 +368,7 @@ class KvledgerHTTPServer:
                     return
             else:
                 cast(asyncio.Transport, writer.transport).resume_reading()
-            await serve_connection(reader, writer, self._handle, self.limits)
+            await serve_connection(reader, writer, self._handle, self.limits, slot, deadline)
         except (ssl.SSLError, ConnectionError, TimeoutError, OSError) as exc:
             log.debug("connection from %s ended: %s", writer.get_extra_info("peername"), exc)
             writer.transport.abort()
@@ -186,10 +382,9 @@ class KvledgerHTTPServer:
         state = self.web.state
         loop = asyncio.get_running_loop()
         if state.auth is not None:
-            auth = state.auth
-            header = request.headers.get("authorization")
-            if not await loop.run_in_executor(self._pool, auth.check, header):
-                return self._with_headers(UNAUTHORIZED, state.config.headers)
+            denied = await self._authenticate(state.auth, request)
+            if denied is not None:
+                return self._with_headers(denied, state.config.headers)
         site = self.responder or self.endpoints
         assert site is not None
         # a scrape between polls: the bytes already made, answered without a worker thread
@@ -198,11 +393,29 @@ class KvledgerHTTPServer:
             response = await loop.run_in_executor(self._pool, site.respond, request)
         return self._with_headers(response, state.config.headers)
 
+    async def _authenticate(self, auth: BasicAuth, request: Request) -> Response | None:
+        """None when the request carries a valid credential, else the answer (401 or 429).
+        A remembered verdict is answered here on the event loop; bcrypt only by the gate."""
+        delay = self.limits.auth_failure_delay
+        cred = auth.credential(request.headers.get("authorization"))
+        if cred is None:
+            return replace(UNAUTHORIZED, delay=delay)
+        verdict = auth.remembered(cred)
+        if verdict is None:
+            try:
+                verdict = await self.auth_gate.check(auth, cred, request.peer)
+            except Exception:
+                log.exception("password check failed")
+                verdict = False
+            if verdict is None:
+                return replace(TOO_MANY, delay=delay)
+        return None if verdict else replace(UNAUTHORIZED, delay=delay)
+
     @staticmethod
     def _with_headers(response: Response, extra: tuple[tuple[str, str], ...]) -> Response:
         if not extra:
             return response
-        return Response(response.status, response.body, response.headers + extra, response.close)
+        return Response(response.status, response.body, response.headers + extra, response.close, response.delay)
 
 
 def basic_auth_header(user: str, password: str) -> str:
