@@ -9,6 +9,7 @@ from exposition_lint import lint_exposition
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvledger.model.accounts import ConfigReload
 from kvledger.model.facts import (
     BlockRef,
     Budgets,
@@ -63,7 +64,7 @@ def rich_snapshot() -> Snapshot:
     g = EngineFacts(name="tgi", kind="tgi", source="tgi", admission="reserve-cap", pools=[tgi_pool],
                     budgets=Budgets(max_model_len=1024))
     gpu = GpuFacts(0, True, "GPU-1", "H200", False, 10**6, 5 * 10**5, 4 * 10**5, 10**5, [GpuProcess(42, 12345)])
-    health = [SourceHealth("sim", "ledger", True, None, 1.0, 0.01, {"timeout": 1})]
+    health = [SourceHealth("sim", "ledger", True, None, 1.0, 0.01, {"timeout": 1}, document_age_seconds=0.25)]
     return Snapshot(engines=[e, v, t, g], gpus=[gpu, GpuFacts(1, False)], driver_version="560.1", health=health)
 
 
@@ -71,6 +72,7 @@ def exposition() -> str:
     accounts = compute_accounts(rich_snapshot())
     accounts.invariant_totals = {("sim", "partition"): 1}
     accounts.labels_limited = {("sim", "tenant", "dropped"): 3}
+    accounts.config_reload = ConfigReload(successful=True, success_at=1_700_000_000.0)
     return render_text(accounts).decode()
 
 
@@ -78,6 +80,7 @@ def test_direct_rendering_equals_prometheus_client() -> None:
     accounts = compute_accounts(rich_snapshot())
     accounts.invariant_totals = {("sim", "partition"): 1}
     accounts.labels_limited = {("sim", "tenant", "dropped"): 3}
+    accounts.config_reload = ConfigReload(successful=True, success_at=1_700_000_000.0)
     ours = render_text(accounts).decode()
     theirs = generate_latest(make_registry(lambda: accounts, process_metrics=False)).decode()
 

@@ -24,6 +24,7 @@ See docs/ledger.md for an embedding example.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,24 @@ SCHEMA_ID = "kvledger/v1"
 #: key it was cached under, None when it had none or another block held that key).
 CacheListener = Callable[[str, str, int, "Hashable | None"], None]
 
+
+
+class _StampedLock:
+    """The ledger's lock. Leaving it after a change (every public method that changes the
+    state takes it so) records when the engine last brought the state up to date, which the
+    document says as ``published_at``; readers take ``plain`` and record nothing."""
+
+    def __init__(self) -> None:
+        self.plain = threading.RLock()
+        self.stamp = time.time()
+
+    def __enter__(self) -> _StampedLock:
+        self.plain.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stamp = time.time()
+        self.plain.release()
 
 class LedgerError(Exception):
     """A call that breaks the ledger's rules (unknown request, wrong state, ...)."""
@@ -219,7 +238,7 @@ class Ledger:
             raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}")
         if overflow is not None and overflow not in OVERFLOWS:
             raise ValueError(f"overflow must be one of {', '.join(OVERFLOWS)}, got {overflow!r}")
-        self._lock = threading.RLock()
+        self._lock = _StampedLock()  # mutators: `with self._lock`; readers: `with self._lock.plain`
         self._pools: dict[str, _Pool] = {}
         for spec in pools:
             if spec.id in self._pools:
@@ -433,7 +452,7 @@ class Ledger:
 
     def lookup(self, hashes: Iterable[Hashable], pool: str | None = None) -> list[int]:
         """Blocks holding the longest cached prefix of ``hashes`` (a prefix-cache hit)."""
-        with self._lock:
+        with self._lock.plain:
             p = self._pool(self._default_pool if pool is None else pool)
             out = []
             for h in hashes:
@@ -476,7 +495,7 @@ class Ledger:
                 p.mark_cached(block, key)
 
     def request_blocks(self, request_id: str) -> list[int]:
-        with self._lock:
+        with self._lock.plain:
             return list(self._req(request_id).blocks)
 
     def advance(self, request_id: str, tokens: int) -> list[int]:
@@ -633,17 +652,17 @@ class Ledger:
     # ------------------------------------------------------------ reading
 
     def state(self, request_id: str) -> str | None:
-        with self._lock:
+        with self._lock.plain:
             req = self._requests.get(request_id)
             return None if req is None else req.state
 
     def request_ids(self, state: str | None = None) -> list[str]:
-        with self._lock:
+        with self._lock.plain:
             return [r.id for r in self._requests.values() if state is None or r.state == state]
 
     def pool_stats(self, pool: str | None = None) -> dict[str, int]:
         """Physical state of a pool: in_use, reclaimable, free, references, shared, cached, reserved."""
-        with self._lock:
+        with self._lock.plain:
             p = self._pool(self._default_pool if pool is None else pool)
             reclaimable = len(p.lru)
             return {
@@ -660,7 +679,7 @@ class Ledger:
         """Render kvledger/v1; ``include_blocks=False`` omits block_refs and block_ids (big ledgers);
         ``columns=True`` renders the columnar form (``request_columns`` in place of
         ``requests``, docs/ledger.md): the same facts, for readers that ask for it."""
-        with self._lock:
+        with self._lock.plain:
             pools = []
             for p in self._pools.values():
                 reclaimable = len(p.lru)
@@ -732,6 +751,9 @@ class Ledger:
             doc: dict[str, Any] = {
                 "schema": SCHEMA_ID,
                 "engine": {"kind": self.engine_kind, "version": self.engine_version},
+                # when the engine last changed this state (the writer's clock): a reader gives up
+                # exactness when it grows old while requests run (a hung scheduler, this thread answering)
+                "published_at": self._lock.stamp,
                 "admission": self.admission,
                 "overflow": self.overflow,
                 "budgets": {

@@ -224,5 +224,7 @@ class LedgerDocument:
             "shared": summary.shared,
         }
         integration = dict(self._integration, published_at=published_at, **stats)
-        head = _dumps(dict(self._head, budgets=budgets, pools=[pool_doc], integration=integration))
+        # published_at: when the engine thread last published (a reader stops calling the figures
+        # exact when it grows old while requests run: the scheduler hung, this thread answering)
+        head = _dumps(dict(self._head, published_at=published_at, budgets=budgets, pools=[pool_doc], integration=integration))
         return head[:-1] + ',"requests":[' + ",".join(fragments) + "]}"

@@ -289,6 +289,7 @@ class Collector:
                     r.health.reason = None
                     r.message = None
                     r.health.last_success = time.time()
+                    r.health.document_age_seconds = r.source.document_age()
                 else:
                     self._mark_down(r, outcome.error.reason, outcome.error.message, outcome.unexpected)
             elif (force_timeouts or now - r.started > r.timeout) and not r.timed_out:
@@ -332,6 +333,7 @@ class Collector:
                     log.info("source %s/%s up again", r.source.engine, name)
                 h.up = up
                 h.reason = None if up else "unavailable"
+                h.document_age_seconds = report.document_age_seconds
                 self._sub_messages[key] = None if message is None else redact_text(message)
                 if up:
                     h.last_success = now

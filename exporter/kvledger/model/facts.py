@@ -195,6 +195,9 @@ class EngineFacts:
     kind: str
     source: str  # the primary source kind ("ledger", "vllm", ...)
     version: str | None = None
+    # when the writer last published the state its kvledger/v1 document shows (Unix time, the
+    # writer's clock): a document whose age grows while requests run is no longer exact
+    published_at: float | None = None
     admission: Admission | None = None
     overflow: Overflow | None = None
     budgets: Budgets = field(default_factory=Budgets)
@@ -248,6 +251,8 @@ class SourceHealth:
     last_success: float | None = None  # unix seconds
     duration_seconds: float | None = None
     errors: dict[str, int] = field(default_factory=dict)  # cumulative, by reason class
+    # a kvledger/v1 document's age at its latest read (published_at against the server's clock)
+    document_age_seconds: float | None = None
 
 
 @dataclass(slots=True)

@@ -43,6 +43,12 @@ Two more bounds on what an engine sends:
   one is refused while it streams in (reason ``too_large``), before any of it is parsed:
   prometheus_client's parser reads about 30,000 to 50,000 lines a second, so a body of
   100,000 series would outlast a poll's deadline at every poll.
+- ``MAX_DOCUMENT_AGE``: a kvledger/v1 document whose ``published_at`` is older than this
+  (seconds, against the server's ``Date``) while it shows running requests is not exact:
+  a running request moves at every engine step, so a writer that publishes nothing for
+  that long has stopped (a hung scheduling loop whose document server thread still
+  answers). The vLLM integration publishes at least once a second while it runs requests;
+  30 s leaves room for long steps and a loaded machine.
 """
 
 from __future__ import annotations
@@ -62,6 +68,8 @@ MAX_REQUESTS = 2**20
 RATIO_TOLERANCE = 2.0**-40
 #: lines of Prometheus text read from one answer before it is refused (module doc)
 MAX_TEXT_LINES = 50_000
+#: seconds a document showing running requests may go unpublished and still be exact (module doc)
+MAX_DOCUMENT_AGE = 30.0
 
 
 def is_safe_number(value: float) -> bool:

@@ -449,6 +449,11 @@ CATALOG: tuple[MetricSpec, ...] = (
                _health(lambda h: h.last_success)),
     MetricSpec("kvledger_source_duration_seconds", "gauge", "seconds", "health", ("engine", "source"),
                "Duration of the source's latest completed poll.", _health(lambda h: h.duration_seconds)),
+    MetricSpec("kvledger_ledger_document_age_seconds", "gauge", "seconds", "health", ("engine", "source"),
+               "Age of the engine's kvledger/v1 document at its latest read: the server's Date less the "
+               "document's published_at (the writer's clock). A document showing running requests that is older "
+               "than 30 s is not exact: its source is down with reason stale.",
+               _health(lambda h: h.document_age_seconds)),
     MetricSpec("kvledger_source_errors_total", "counter", "", "health", ("engine", "source", "reason"),
                "Failed polls by reason.", _source_errors),
     MetricSpec("kvledger_kv_events_total", "counter", "", "health", ("engine", "type"),

@@ -93,6 +93,7 @@ class SubsourceReport:
     name: str  # the ``source`` label value, e.g. "kv_events"
     up: bool
     message: str | None = None  # why it is not up
+    document_age_seconds: float | None = None  # a kvledger/v1 document's age at its latest read
 
 
 class Source(ABC):
@@ -104,6 +105,10 @@ class Source(ABC):
     @abstractmethod
     def poll(self) -> Contribution:
         """Fetch and parse once; raise SourceError on failure. Runs off the scrape path."""
+
+    def document_age(self) -> float | None:
+        """The age of the kvledger/v1 document this source read last (None: it reads none)."""
+        return None
 
     def subsource_health(self) -> list[SubsourceReport]:
         """The parts this source runs itself, each with its health (none by default)."""

@@ -12,20 +12,26 @@ server ignores both and serves its row form as before.
 
 Errors (SourceError reasons): ``connect``, ``timeout``, ``http_status``, ``too_large``
 (the HTTP client's, see ``http_client``), ``parse`` (not JSON), ``schema`` (breaks
-kvledger/v1; the message names the field path).
+kvledger/v1; the message names the field path), ``stale`` (the document shows running
+requests but its ``published_at`` is older than ``MAX_DOCUMENT_AGE``: the writer stopped
+publishing while its server answers; its numbers are not given as exact).
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 
 from kvledger.collect.memory import release_freed_memory
 from kvledger.collect.sources.base import EngineContribution, Source, SourceError
-from kvledger.collect.sources.http_client import LARGE_BODY, HttpClient
+from kvledger.collect.sources.http_client import LARGE_BODY, Answer, HttpClient
 from kvledger.config.model import EngineConfig
 from kvledger.model.facts import EngineFacts
+from kvledger.model.limits import MAX_DOCUMENT_AGE
+from kvledger.model.request_table import RequestTable
 from kvledger.protocol.reader import COLUMNS_MEDIA_TYPE, NotJsonError, ProtocolError, facts_from_json
 
 #: what a ledger GET accepts: the columnar form first, the row form (plain v1) as well
@@ -53,6 +59,30 @@ class _Read:
     key: bytes | None  # the body, or its digest when large; None when the server tags it
     etag: str | None
     facts: EngineFacts
+    running: bool  # whether the document shows a running request
+
+
+def shows_running(facts: EngineFacts) -> bool:
+    """Whether the document shows a running request (work that moves at every engine step)."""
+    requests = facts.requests
+    if requests is None:
+        return False
+    if isinstance(requests, RequestTable):
+        return "running" in requests.states
+    return any(r.state == "running" for r in requests)
+
+
+def document_age(published_at: float, date: str | None, now: float) -> float:
+    """Seconds since ``published_at`` (the writer's clock) by the server's ``Date`` header,
+    so that the two clocks are one (a remote engine's offset cancels; the header's whole
+    seconds make the age at most 1 s short); by the reader's clock when there is none."""
+    reference = now
+    if date:
+        try:
+            reference = parsedate_to_datetime(date).timestamp()
+        except (TypeError, ValueError, OverflowError, IndexError):
+            reference = now
+    return max(0.0, reference - published_at)
 
 
 class DocumentReader:
@@ -67,20 +97,37 @@ class DocumentReader:
         self.not_modified = 0  # reads answered 304
         self.unchanged = 0  # 200 answers with the previous body
         self.columnar = 0  # documents read in the columnar form
+        self.age: float | None = None  # the latest document's age (its published_at; None without one)
+        self.max_age = MAX_DOCUMENT_AGE
 
     def read(self) -> EngineFacts:
+        """The facts of the document now; SourceError ``stale`` when it shows running requests
+        but was published more than ``max_age`` seconds ago (the writer stopped publishing:
+        its numbers are old, so they are not given as exact)."""
         last = self._last
         answer = self.client.fetch(accept=ACCEPT, if_none_match=None if last is None else last.etag)
+        read = self._read(answer, last)
+        published_at = read.facts.published_at
+        self.age = None if published_at is None else document_age(published_at, answer.date, time.time())
+        if self.age is not None and self.age > self.max_age and read.running:
+            raise SourceError(
+                "stale",
+                f"{self.client.where}: the document was published {self.age:.0f} s ago while it shows running "
+                f"requests (more than {self.max_age:g} s): the engine has stopped publishing, its figures are old",
+            )
+        return read.facts
+
+    def _read(self, answer: Answer, last: _Read | None) -> _Read:
         if answer.status == 304 and last is not None:
             self.not_modified += 1
-            return last.facts
+            return last
         body = answer.body
         # without an ETag, an idle engine is recognised by its body (a large one by its
         # digest, so the daemon does not hold a copy between polls)
         key = None if answer.etag else body if len(body) < LARGE_BODY else hashlib.blake2b(body, digest_size=32).digest()
         if last is not None and key is not None and key == last.key:
             self.unchanged += 1
-            return last.facts
+            return last
         self._last = None
         try:
             with PARSE_LOCK:
@@ -91,8 +138,8 @@ class DocumentReader:
                 release_freed_memory()
         if answer.content_type is not None and answer.content_type.startswith(COLUMNS_MEDIA_TYPE):
             self.columnar += 1
-        self._last = _Read(key, answer.etag, facts)
-        return facts
+        self._last = _Read(key, answer.etag, facts, shows_running(facts))
+        return self._last
 
 
 class LedgerSource(Source):
@@ -115,6 +162,9 @@ class LedgerSource(Source):
         contribution = EngineContribution(facts)
         self._last = (facts, contribution)
         return contribution
+
+    def document_age(self) -> float | None:
+        return self.reader.age
 
     def close(self) -> None:
         self._http.abort()

@@ -196,6 +196,7 @@ class Answer:
     body: bytes
     etag: str | None  # the answer's ETag header, when it had one
     content_type: str | None
+    date: str | None = None  # the answer's Date header: the server's clock when it answered
 
 
 def default_max_lines(accept: str) -> int | None:
@@ -302,7 +303,7 @@ class HttpClient:
         resp = conn.getresponse()
         if resp.status == 304 and if_none_match:
             resp.read()
-            return Answer(304, b"", resp.getheader("ETag") or if_none_match, None)
+            return Answer(304, b"", resp.getheader("ETag") or if_none_match, None, resp.getheader("Date"))
         if resp.status != 200:
             raise SourceError("http_status", f"{self.where}: HTTP {resp.status}" + _redirect_note(resp.status))
         length = resp.getheader("Content-Length")
@@ -331,7 +332,7 @@ class HttpClient:
             chunks.append(chunk)
         if length is not None and length.strip().isdigit() and size != int(length):
             raise SourceError("parse", f"{self.where}: body truncated after {size} of {int(length)} bytes")
-        return Answer(200, b"".join(chunks), resp.getheader("ETag"), resp.getheader("Content-Type"))
+        return Answer(200, b"".join(chunks), resp.getheader("ETag"), resp.getheader("Content-Type"), resp.getheader("Date"))
 
 
 def _redirect_note(status: int) -> str:

@@ -135,6 +135,11 @@ class LedgerReader:
         self._readers: dict[str, DocumentReader] = {}
         self._probed = 0  # ranks found by probing: a later probe must find at least as many
 
+    def document_age(self) -> float | None:
+        """The oldest age among the ranks' latest documents (None before any carried one)."""
+        ages = [r.age for r in self._readers.values() if r.age is not None]
+        return max(ages) if ages else None
+
     def url(self, rank: str) -> str:
         return self.address.replace(DP_PLACEHOLDER, rank)
 

@@ -211,7 +211,8 @@ class VllmSource(Source):
             message = self._log.unread_reason() if self._log_error == "not read yet" else self._log_error
             out.append(SubsourceReport("log", self._log_error is None, message))
         if self._ledger is not None:
-            out.append(SubsourceReport("ledger", self._ledger_error is None, self._ledger_error))
+            out.append(SubsourceReport("ledger", self._ledger_error is None, self._ledger_error,
+                                       self._ledger.document_age()))
             out.append(SubsourceReport("metrics", self._metrics_error is None, self._metrics_error))
         return out
 
