@@ -15,7 +15,9 @@ side in this run:
 Curves: the requests an engine holds (1k, 10k, 100k) in both forms, and the share of
 requests whose rows change each second (0 = an idle engine, answered 304). The CPU budget
 is 2 % of a core at a 1 s poll (20 ms a second for every engine together): the report
-gives, per form, the requests at which one engine alone would use it all.
+gives, per form, the requests at which one engine alone would use it all. Last, documents
+that depart from what the typed decoder takes as is (a field or key the schema does not
+list, integral floats), read the checked way, and nulls for absent fields (read by type).
 
 Run: .venv/bin/python bench/bench_poll.py [--runs 30]
 """
@@ -110,6 +112,26 @@ def poll_costs(share: float, runs: int) -> dict[str, float]:
     return out
 
 
+def departing_costs(requests: int, runs: int) -> dict[str, tuple[float, float]]:
+    """Decode (orjson) and read of documents that depart from the common one, each side by side."""
+    load = Load(requests, seed=3)
+    load.tick()
+    rows, columns = load.rows_document(), load.columns_document()
+    bodies = {
+        "rows: a request field the schema does not list": dict(rows, requests=[dict(r, priority=1) for r in rows["requests"]]),
+        "rows: a top-level key the schema does not list": dict(rows, future={"x": 1}),
+        "rows: integral floats (contexts 1.0)": dict(rows, requests=[dict(r, contexts=1.0) for r in rows["requests"]]),
+        "rows: null for an absent field": dict(rows, requests=[dict(r, speculative_slots=None) for r in rows["requests"]]),
+        "columns: a column the schema does not list": dict(columns, request_columns=dict(columns["request_columns"], note=1)),
+    }
+    out = {}
+    for name, doc in bodies.items():
+        body = dumps(doc)
+        c = thread_ms({"decode": lambda b=body: orjson.loads(b), "read": lambda b=body: parse_document(b, "bench", "e")}, runs)
+        out[name] = (c["decode"], c["read"])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=30)
@@ -135,6 +157,13 @@ def main() -> None:
     for share in (0.0, 0.01, 0.1, 0.5, 1.0):
         c = poll_costs(share, args.runs)
         print(f"| {share:.0%} | {c['rows']:.2f} | {c['columns']:.2f} | {c['columns'] * 8 / BUDGET_MS:.2f} |", flush=True)
+    print()
+    print("## documents read the checked way (one engine; thread CPU ms, median; ratio to decode)")
+    print("| requests | document | decode | read | read / decode |")
+    print("|---|---|---|---|---|")
+    for n in (1_000, 10_000):
+        for name, (decode, read) in departing_costs(n, max(5, args.runs // (1 if n < 10_000 else 3))).items():
+            print(f"| {n:,} | {name} | {decode:.2f} | {read:.2f} | {read / decode:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

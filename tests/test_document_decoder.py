@@ -1,9 +1,10 @@
-"""The typed fast path of kvledger/v1 bodies (``document_decoder``) against the checked path.
+"""The typed reading of kvledger/v1 bodies (``fast_decoder``) against the checked reader.
 
-``facts_from_json`` decodes the common document by type (msgspec) and reads anything else
-the checked way (orjson, then field by field). For every body, valid, mutated or not JSON
-at all, the result must be the checked path's: the same facts, or the same error. And the
-fast path must really take the documents engines send (it is not a path that never runs).
+``facts_from_json`` decodes the common document by type (msgspec, structs built from
+``wire.REQUEST_FIELDS``) and reads anything else the checked way (orjson, then field by
+field, from the same definition). For every body, valid, mutated or not JSON at all, the
+result must be the checked reader's: the same facts, or the same error. And the typed
+way must really take the documents engines send (it is not a path that never runs).
 """
 
 from __future__ import annotations
@@ -25,12 +26,11 @@ from test_wire_forms import to_columns
 from kvledger.model.facts import EngineFacts
 from kvledger.model.limits import MAX_BLOCKS, MAX_REQUESTS, MAX_TOKENS
 from kvledger.model.request_table import RequestTable
-from kvledger.protocol import fast_decoder as document_decoder
-from kvledger.protocol.reader import NotJsonError, ProtocolError, _ReadChecked, facts_from_document, facts_from_json
+from kvledger.protocol.reader import NotJsonError, ProtocolError, facts_from_document, facts_from_json, typed_facts
 
 
 def checked(body: bytes) -> EngineFacts | str:
-    """The checked path alone: orjson, then field by field; an error as its message."""
+    """The checked reader alone: orjson, then field by field; an error as its message."""
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -59,18 +59,11 @@ def both(body: bytes) -> tuple[EngineFacts | str, EngineFacts | str]:
 
 
 def taken_fast(body: bytes) -> bool:
-    """True when the typed path read the body's requests to the end (no fallback)."""
-    doc = document_decoder.decode(body)
-    typed = (document_decoder.TypedRows, document_decoder.TypedColumns)
-    if doc is None or not isinstance(doc.get("requests", doc.get("request_columns")), typed):
-        return False
+    """True when the typed decode read the body's requests to the end (no fallback)."""
     try:
-        facts_from_document(doc, "e")
-    except _ReadChecked:
-        return False
-    except ProtocolError:  # rejected for another part of the document, as the checked path rejects it
-        pass
-    return True
+        return typed_facts(body, "e") is not None
+    except ProtocolError:  # rejected for another part of the document, as the checked reader rejects it
+        return True
 
 
 def assert_same(body: bytes) -> EngineFacts | str:
@@ -158,7 +151,6 @@ def _with(change: Any) -> bytes:
 
 FALLBACKS = {
     "an integral float": lambda d: d["requests"][0].update(prompt_tokens=40.0),
-    "a null count": lambda d: d["requests"][1].update(contexts=None),
     "a field the schema does not list": lambda d: d["requests"][0].update(note="x"),
     "a top-level key the schema does not list": lambda d: d.update(future={"x": 1}),
     "duplicate request ids": lambda d: d["requests"][1].update(id="r0"),
@@ -201,21 +193,30 @@ def test_what_is_not_json_anywhere_is_rejected_as_the_checked_path_rejects_it(te
 
 
 def test_defaults_and_nulls_of_optional_fields() -> None:
-    """Absent fields take the protocol's defaults; blocks_held defaults to len(block_ids)."""
-    doc = _doc(4)
+    """Absent fields take the protocol's defaults; blocks_held defaults to len(block_ids);
+    a null field reads as an absent one (the schema allows null for every optional field)."""
+    doc = _doc(6)
     doc["requests"][0] = {"id": "a", "state": "waiting", "prompt_tokens": 5, "max_output_tokens": 7}
     doc["requests"][1] = {"id": "b", "state": "running", "prompt_tokens": 5, "max_output_tokens": 7, "block_ids": [1, 2]}
     doc["requests"][2] = {"id": "c", "state": "running", "prompt_tokens": 5, "max_output_tokens": 7, "block_ids": [1],
                           "blocks_held": 4, "pool": "", "tenant": None, "output_bound": None}
+    doc["requests"][4] = {"id": "e", "state": "running", "prompt_tokens": 5, "max_output_tokens": 7, "contexts": None,
+                          "generated_tokens": None, "computed_tokens": None, "speculative_slots": None, "blocks_held": None,
+                          "block_ids": None, "pool": None}
+    doc["requests"][5] = {"id": "f", "state": "running", "prompt_tokens": 5, "max_output_tokens": 7, "blocks_held": None,
+                          "block_ids": [3, 4, 5]}
     body = orjson.dumps(doc)
     assert taken_fast(body)
     facts = assert_same(body)
     assert isinstance(facts, EngineFacts) and facts.requests is not None
-    a, b, c, d = facts.requests
+    a, b, c, d, e, f = facts.requests
     assert (a.contexts, a.generated_tokens, a.blocks_held, a.output_bound, a.pool, a.tenant) == (1, 0, 0, "cap", "0", None)
     assert (b.blocks_held, b.block_ids) == (2, [1, 2])
     assert (c.blocks_held, c.pool, c.output_bound) == (4, "0", "cap")
     assert d.blocks_held == 3
+    assert (e.contexts, e.generated_tokens, e.computed_tokens, e.speculative_slots, e.blocks_held, e.block_ids, e.pool) == (
+        1, 0, 0, 0, 0, None, "0")
+    assert (f.blocks_held, f.block_ids) == (3, [3, 4, 5])
 
 
 def test_the_vllm_integrations_document_takes_the_fast_path() -> None:
@@ -285,6 +286,8 @@ def test_mutated_columnar_documents_read_alike(doc: dict[str, Any], compact: boo
 @pytest.mark.parametrize(("key", "value", "fast", "accepted"), [
     ("contexts", [None, 2, 1], True, True),  # a null entry is the default
     ("blocks_held", [None, 2, 1], True, True),
+    ("prompt_tokens", [None, 40, 40], False, False),  # a required field: no null entry (request_columns.prompt_tokens[0]: is required)
+    ("state", [None, "running", "running"], False, False),
     ("prompt_tokens", [40.0, 40, 40], False, True),  # an integral float: the checked path reads it
     ("note", 1, False, True),  # a field the schema does not list: the same
     # machine integers with excess padding: binascii's strict mode takes them, msgspec does not

@@ -218,11 +218,32 @@ def test_block_ref_array_behaves_as_a_sequence():
     assert len(a) - a.ref_counts.count(0) == 1
 
 
-# The fast path for canonical requests must agree with the checked parser everywhere.
+# The typed reading of a request must agree with the checked reader everywhere.
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kvledger.protocol.reader import _request_checked, _request_fast  # noqa: E402
+from kvledger.model.facts import RequestFacts  # noqa: E402
+from kvledger.model.limits import MAX_BLOCKS  # noqa: E402
+from kvledger.protocol.reader import typed_facts  # noqa: E402
+
+
+def _one_request(raw: dict) -> dict:  # type: ignore[type-arg]
+    pools = [{"id": pid, "block_size": 16, "block_bytes": 1, "num_blocks": MAX_BLOCKS} for pid in ("0", "1")]
+    return {"schema": "kvledger/v1", "pools": pools, "requests": [raw]}
+
+
+def typed_request(raw: dict) -> RequestFacts | None:  # type: ignore[type-arg]
+    """One request read by type (its document as JSON text); None where that does not take it as is."""
+    facts = typed_facts(json.dumps(_one_request(raw)).encode(), "e")
+    return None if facts is None or facts.requests is None else facts.requests[0]
+
+
+def checked_request(raw: dict) -> RequestFacts:  # type: ignore[type-arg]
+    """One request read by the checked reader (ProtocolError naming the field)."""
+    requests = facts_from_document(_one_request(raw), "e").requests
+    assert requests is not None
+    return requests[0]
+
 
 _values = st.one_of(st.none(), st.integers(-3, 5000), st.floats(-2, 100, allow_nan=False), st.text(max_size=3),
                     st.booleans(), st.lists(st.integers(-1, 50), max_size=4), st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
@@ -245,18 +266,136 @@ _valid = st.fixed_dictionaries(
 
 @settings(max_examples=2000, deadline=None)
 @given(st.one_of(_fields, _valid))
-def test_fast_request_path_agrees_with_checked_parser(raw: dict) -> None:  # type: ignore[type-arg]
-    fast = _request_fast(raw, "0")
+def test_typed_request_agrees_with_checked_reader(raw: dict) -> None:  # type: ignore[type-arg]
+    fast = typed_request(raw)
     try:
-        checked = _request_checked(raw, "requests[0]", "0")
+        checked = checked_request(raw)
     except ProtocolError:
-        assert fast is None  # anything the checked parser rejects takes the checked path
+        assert fast is None  # anything the checked reader rejects is left to it
         return
     assert fast is None or fast == checked
 
 
 @settings(max_examples=200, deadline=None)
 @given(_valid)
-def test_canonical_requests_take_the_fast_path(raw: dict) -> None:  # type: ignore[type-arg]
-    fast = _request_fast(raw, "0")
-    assert fast is not None and fast == _request_checked(raw, "requests[0]", "0")
+def test_canonical_requests_are_read_by_type(raw: dict) -> None:  # type: ignore[type-arg]
+    fast = typed_request(raw)
+    assert fast is not None and fast == checked_request(raw)
+
+
+# ---------------------------------------------------------------- one definition, held to the schema
+
+from kvledger.model.facts import OUTPUT_BOUNDS, REQUEST_STATES  # noqa: E402
+from kvledger.model.limits import MAX_REQUESTS, REQUEST_INT_RANGES  # noqa: E402
+from kvledger.model.request_table import INT_COLUMNS  # noqa: E402
+from kvledger.protocol import fast_decoder  # noqa: E402
+from kvledger.protocol.wire import FIELDS, REQUEST_FIELDS, REQUIRED, Field  # noqa: E402
+
+
+def _resolve(node: object, schema: dict) -> object:  # type: ignore[type-arg]
+    """``node`` with every ``$ref`` into ``$defs`` replaced by what it names (its siblings kept)."""
+    if isinstance(node, list):
+        return [_resolve(v, schema) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _resolve(v, schema) for k, v in node.items() if k != "$ref"}
+    if "$ref" in node:
+        target = _resolve(schema["$defs"][node["$ref"].removeprefix("#/$defs/")], schema)
+        assert isinstance(target, dict)
+        out = {**target, **out}
+    return out
+
+
+def _types(node: dict) -> set[str]:  # type: ignore[type-arg]
+    t = node.get("type", [])
+    return {t} if isinstance(t, str) else set(t)
+
+
+def _value_in_schema(node: dict, nullable: bool) -> tuple[object, ...]:  # type: ignore[type-arg]
+    """What the schema says of one request's value: (JSON type, minimum, maximum, enumeration,
+    minLength, item minimum, item maximum), ``null`` allowed exactly where ``nullable``."""
+    if "enum" in node:
+        options = node["enum"]
+        assert (None in options) is nullable, node
+        return ("enum", None, None, tuple(o for o in options if o is not None), None, None, None)
+    types = _types(node)
+    assert ("null" in types) is nullable, node
+    types.discard("null")
+    if types == {"string"}:
+        return ("string", None, None, (), node.get("minLength", 0), None, None)
+    if types == {"integer"}:
+        return ("integer", node["minimum"], node["maximum"], (), None, None, None)
+    assert types == {"array"}, node
+    items = node["items"]
+    assert _types(items) == {"integer"}, node
+    return ("integers", None, None, (), None, items["minimum"], items["maximum"])
+
+
+def _value_in_definition(f: Field) -> tuple[object, ...]:
+    if f.json_type == "enum":
+        return ("enum", None, None, f.options, None, None, None)
+    if f.json_type == "string":
+        return ("string", None, None, (), f.min_length, None, None)
+    if f.json_type == "integer":
+        return ("integer", f.minimum, f.maximum, (), None, None, None)
+    return ("integers", None, None, (), None, f.minimum, f.maximum)
+
+
+def _column_in_schema(node: dict, f: Field) -> tuple[object, ...]:  # type: ignore[type-arg]
+    """What the schema says of ``request_columns.<name>``, checked to be the column of one
+    request's value: an array of values (entries null where the field is optional), also
+    one value for every request where ``one_value``, also machine integers for an integer
+    field; the column itself null (absent) where the field is optional."""
+    nullable = not f.required
+    variants = node["anyOf"] if "anyOf" in node else [node]
+    int64le = [v for v in variants if v.get("required") == ["int64le"]]
+    assert len(int64le) == (f.json_type == "integer"), f.name
+    arrays, ones = [], []
+    for v in (v for v in variants if v not in int64le):
+        types = _types(v)
+        if "array" not in types:
+            ones.append(v)
+            continue
+        arrays.append(v)
+        if types - {"array", "null"}:  # one node for the array and the one value: the range on both levels
+            ones.append({**{k: x for k, x in v.items() if k not in ("items", "maxItems")}, "type": sorted(types - {"array"})})
+    column_null = any("null" in _types(v) or None in v.get("enum", []) for v in variants)
+    assert column_null is nullable, f.name
+    assert len(arrays) == 1, f.name
+    entry = _value_in_schema(arrays[0]["items"], nullable)
+    assert bool(ones) is f.one_value, f.name
+    for one in ones:
+        assert _value_in_schema(one, nullable) == entry, f.name
+    if f.name == "id":
+        assert arrays[0]["maxItems"] == MAX_REQUESTS
+    return entry
+
+
+def test_the_definition_of_a_request_is_the_schemas() -> None:
+    """Every property of ``requests[]`` items and of ``request_columns`` in the published
+    schema is a field of ``wire.REQUEST_FIELDS`` with the same type, range, enumeration and
+    requiredness, and every field of the definition is a property of both."""
+    schema = load_schema()
+    row = _resolve(schema["$defs"]["request"], schema)
+    columns = _resolve(schema["properties"]["request_columns"], schema)
+    assert isinstance(row, dict) and isinstance(columns, dict)
+    assert set(row["properties"]) == set(FIELDS) == set(columns["properties"])
+    assert set(row["required"]) == set(REQUIRED) == set(columns["required"])
+    for f in REQUEST_FIELDS:
+        assert _value_in_schema(row["properties"][f.name], not f.required) == _value_in_definition(f), f.name
+        assert _column_in_schema(columns["properties"][f.name], f) == _value_in_definition(f), f.name
+    assert schema["properties"]["requests"]["maxItems"] == MAX_REQUESTS
+
+
+def test_the_definition_takes_its_ranges_enumerations_and_defaults_from_the_model() -> None:
+    ints = {f.name: (f.minimum, f.maximum) for f in REQUEST_FIELDS if f.json_type == "integer"}
+    assert ints == REQUEST_INT_RANGES
+    assert FIELDS["state"].options == REQUEST_STATES and FIELDS["output_bound"].options == OUTPUT_BOUNDS
+    facts = RequestFacts("r", "running", 0, 0)
+    for f in REQUEST_FIELDS:
+        if not f.required and f.default is not None:
+            assert getattr(facts, f.name) == f.default, f.name
+    assert {name: default for name, default in INT_COLUMNS if name in ints and FIELDS[name].default is not None} == {
+        f.name: f.default for f in REQUEST_FIELDS if f.json_type == "integer" and f.default is not None}
+    # the typed decoder's structs are built from it, field for field
+    assert fast_decoder.Row.__struct_fields__ == fast_decoder.Columns.__struct_fields__ == tuple(FIELDS)

@@ -28,11 +28,11 @@ from kvledger.model.facts import Snapshot
 from kvledger.model.request_table import RequestTable
 from kvledger.output.prometheus import render_text
 from kvledger.policy.engine_accounts import compute_accounts
+from kvledger.protocol.fast_decoder import TypedRows, decode, table_from_rows
 from kvledger.protocol.reader import (
     COLUMNS_MEDIA_TYPE,
     ProtocolError,
     _requests_checked,
-    _requests_fast,
     facts_from_document,
     schema_errors,
 )
@@ -99,11 +99,13 @@ def test_columnar_form_gives_the_same_facts_and_accounts(doc: dict[str, Any], sh
 
 @FUZZ
 @given(documents())
-def test_row_form_fast_path_agrees_with_the_request_by_request_parser(doc: dict[str, Any]) -> None:
+def test_row_form_read_by_type_agrees_with_the_request_by_request_reader(doc: dict[str, Any]) -> None:
     pools = {p["id"]: p["num_blocks"] for p in doc["pools"]}
     checked = _requests_checked(doc["requests"], doc["pools"][0]["id"], pools)
-    fast = _requests_fast(doc["requests"], doc["pools"][0]["id"], pools)
-    assert fast is not None  # valid canonical documents take the column path
+    typed = decode(orjson.dumps(doc))
+    assert typed is not None and isinstance(typed["requests"], TypedRows)  # valid canonical documents are read by type
+    fast = table_from_rows(typed["requests"].rows, doc["pools"][0]["id"], pools)
+    assert fast is not None  # column by column
     assert list(fast) == list(checked)
 
 

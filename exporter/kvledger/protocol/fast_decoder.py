@@ -1,117 +1,98 @@
 """A kvledger/v1 body decoded by type: the common document read in one C pass.
 
-A busy engine's document is almost all ``requests[]``, and every request changes at every
-poll. Decoding it into dicts (orjson) and then checking every field of every request in
-Python cost more than the decode itself. msgspec decodes JSON straight into typed
-structs, checking each field's type, range and enumeration while it parses (in C), and
-does so faster than orjson builds the dicts; this module declares the request row as such
-a struct (the ranges are ``limits.REQUEST_INT_RANGES``, the enumerations ``facts``' own
-Literal types) and turns the rows into a ``RequestTable`` column by column.
+A busy engine's document is almost all requests, and every request changes at every poll.
+Decoding it into dicts (orjson) and then checking every field of every request in Python
+cost more than the decode itself. msgspec decodes JSON straight into typed structs,
+checking each field's type, range and enumeration while it parses (in C), and does so
+faster than orjson builds the dicts. The structs are built here from the one definition
+of a request (``wire.REQUEST_FIELDS``: ranges from ``limits.REQUEST_INT_RANGES``,
+enumerations from the wire terms), for both forms: ``Row`` for ``requests[]`` and
+``Columns`` for ``request_columns``; the requests then become a ``RequestTable`` column by
+column.
 
-It is a fast path only. ``decode`` returns None on anything it does not take as is (a
-value of another type or out of range, an integral float such as ``2.0``, a field a row
-should not have, a top-level key the protocol does not list, malformed JSON), and
-``table_from_rows`` returns None when the rows break a rule across requests (duplicate
-ids, an unknown pool, more blocks than the pool has); ``protocol.facts_from_json`` then
-reads the body the checked way (orjson, field by field), which accepts exactly what the
-schema accepts and names the field of the first problem. Everything except the requests
-(pools, budgets, counters, ...) is decoded by orjson from the raw JSON of its key, as the
-checked path decodes it, so the two paths can differ only in the requests, which the
-property tests compare (tests/test_document_decoder.py).
+It reads only what it can take as is. ``decode`` returns None on anything else (a value of
+another type or out of range, an integral float such as ``2.0``, a field a request should
+not have, a top-level key the protocol does not list, malformed JSON), and
+``table_from_rows``/``table_from_columns`` return None when the requests break a rule
+across requests (duplicate ids, an unknown pool, more blocks than the pool has, columns
+of unequal length); no exception leaves this module. ``protocol.reader`` then reads the
+body the checked way, which accepts exactly what the schema accepts and names the field
+of the first problem. Everything except the requests (pools, budgets, counters, ...) is decoded by
+orjson from the raw JSON of its key and read by the checked reader, so the two ways can
+differ only in the requests, which the property tests compare
+(tests/test_document_decoder.py).
 """
 
 from __future__ import annotations
 
 import binascii
 from itertools import repeat
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
 import orjson
 from msgspec.structs import astuple
 
-from kvledger.model.facts import OutputBound, RequestState
-from kvledger.model.limits import MAX_REQUESTS, MAX_SAFE_INT, REQUEST_INT_RANGES
-from kvledger.model.request_table import INT_COLUMNS, INT_NAMES, RequestTable
+from kvledger.model.limits import MAX_REQUESTS
+from kvledger.model.request_table import INT_COLUMNS, RequestTable
+from kvledger.protocol.wire import FIELDS, INTEGER_FIELDS, REQUEST_FIELDS, Field
 
-
-def _count(name: str) -> Any:
-    lo, hi = REQUEST_INT_RANGES[name]
-    return Annotated[int, msgspec.Meta(ge=lo, le=hi)]
-
-
-# mypy cannot follow a type built at run time; the annotations below are checked by msgspec
-_Prompt = _count("prompt_tokens")
-_Output = _count("max_output_tokens")
-_Generated = _count("generated_tokens")
-_Computed = _count("computed_tokens")
-_Contexts = _count("contexts")
-_Speculative = _count("speculative_slots")
-_Held = _count("blocks_held")
-_BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_SAFE_INT)]
-#: ``blocks_held`` absent (a decoded value is never negative)
+#: ``blocks_held`` absent from a row (a decoded value is never negative): it defaults to
+#: ``len(block_ids)``, else 0
 HELD_ABSENT = -1
 
-
-class Row(msgspec.Struct, forbid_unknown_fields=True, gc=False, kw_only=True):
-    """One ``requests[]`` entry as the schema defines it, absent fields at their defaults
-    (``blocks_held`` at ``HELD_ABSENT``: it defaults to ``len(block_ids)``). A null integer
-    (the checked path reads null as absent) or a field the schema does not list sends the
-    document to the checked path, which accepts both as the schema allows. The fields are
-    in the order the writers (the vLLM integration, the reference ledger) put the keys:
-    msgspec matches keys in the expected order first."""
-
-    id: Annotated[str, msgspec.Meta(min_length=1)]
-    pool: str | None = None
-    state: RequestState
-    tenant: str | None = None
-    prompt_tokens: _Prompt  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
-    max_output_tokens: _Output  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
-    output_bound: OutputBound | None = None
-    generated_tokens: _Generated = 0  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
-    computed_tokens: _Computed = 0  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
-    contexts: _Contexts = 1  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
-    speculative_slots: _Speculative = 0  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
-    blocks_held: _Held = HELD_ABSENT  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
-    block_ids: list[_BlockId] | None = None
+# types built at run time from the definition: mypy sees them as Any, msgspec checks them
+_LITERAL: Any = Literal
+_LIST: Any = list
 
 
 class Int64le(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     """An integer column given as machine integers: ``{"int64le": "<base64>"}``, the base64
     decoded by msgspec while it parses (a third of binascii's time; it refuses what
-    binascii's strict mode refuses, and excess padding too: the checked path reads that)."""
+    binascii's strict mode refuses, and excess padding too: the checked reader reads that)."""
 
     int64le: bytes
 
 
-def _column(item: Any) -> Any:
-    """A ``request_columns`` field: an array of ``item``, or one value for every request."""
-    return list[item] | item
+def _value_type(f: Field) -> Any:
+    """The type of one value of ``f`` (one request's)."""
+    if f.json_type == "string":
+        return Annotated[str, msgspec.Meta(min_length=f.min_length)] if f.min_length else str
+    if f.json_type == "enum":
+        return _LITERAL[f.options]
+    integer = Annotated[int, msgspec.Meta(ge=f.minimum, le=f.maximum)]
+    return integer if f.json_type == "integer" else _LIST[integer]
 
 
-def _int_column(count: Any) -> Any:
-    return list[count | None] | count | Int64le
+def _row_field(f: Field) -> tuple[Any, ...]:
+    """``f`` in a row: required, or absent (its default) or null (None: read as absent)."""
+    if f.required:
+        return (f.name, _value_type(f))
+    return (f.name, _value_type(f) | None, HELD_ABSENT if f.name == "blocks_held" else f.default)
 
 
-class Columns(msgspec.Struct, forbid_unknown_fields=True, gc=False):
-    """``request_columns`` as the schema defines it; None where a field or an entry is
-    absent or null (the checked path reads both alike). Integral floats, or a field the
-    schema does not list, send the document to the checked path."""
+def _column_field(f: Field) -> tuple[Any, ...]:
+    """``f`` in ``request_columns``: an array of values (null entries where optional), or
+    one value for every request, or machine integers (integer fields); absent or null
+    where optional."""
+    value = _value_type(f)
+    column = _LIST[value if f.required else value | None]
+    if f.one_value:
+        column = column | value
+    if f.json_type == "integer":
+        column = column | Int64le
+    return (f.name, column) if f.required else (f.name, column | None, None)
 
-    id: list[Annotated[str, msgspec.Meta(min_length=1)]]
-    state: _column(RequestState)  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
-    prompt_tokens: _int_column(_Prompt)  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
-    max_output_tokens: _int_column(_Output)  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
-    pool: list[str | None] | str | None = None
-    tenant: list[str | None] | str | None = None
-    output_bound: list[OutputBound | None] | OutputBound | None = None
-    generated_tokens: _int_column(_Generated) | None = None  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
-    computed_tokens: _int_column(_Computed) | None = None  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
-    contexts: _int_column(_Contexts) | None = None  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
-    speculative_slots: _int_column(_Speculative) | None = None  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
-    blocks_held: _int_column(_Held) | None = None  # type: ignore[valid-type]  # built at run time from the ranges; msgspec checks it
-    block_ids: list[list[_BlockId] | None] | None = None
+
+#: one ``requests[]`` entry and ``request_columns``, as ``wire.REQUEST_FIELDS`` defines them.
+#: A field they do not list sends the body to the checked reader, as the schema lets a
+#: document carry one: msgspec would skip its value without checking that it is JSON
+#: (invalid UTF-8, ``1e999``), and orjson checks it there.
+Row: Any = msgspec.defstruct("Row", [_row_field(f) for f in REQUEST_FIELDS], kw_only=True, forbid_unknown_fields=True, gc=False)
+Columns: Any = msgspec.defstruct(
+    "Columns", [_column_field(f) for f in REQUEST_FIELDS], kw_only=True, forbid_unknown_fields=True, gc=False
+)
 
 
 class TypedColumns:
@@ -119,7 +100,7 @@ class TypedColumns:
 
     __slots__ = ("columns",)
 
-    def __init__(self, columns: Columns) -> None:
+    def __init__(self, columns: Any) -> None:
         self.columns = columns
 
 
@@ -128,39 +109,33 @@ class TypedRows:
 
     __slots__ = ("rows",)
 
-    def __init__(self, rows: list[Row]) -> None:
+    def __init__(self, rows: list[Any]) -> None:
         self.rows = rows
 
 
 _ABSENT = msgspec.Raw()
 
 
-class _Document(msgspec.Struct, forbid_unknown_fields=True, gc=False):
-    """The top level: ``requests`` typed, every other key kept as its raw JSON."""
-
-    schema: msgspec.Raw = _ABSENT
-    engine: msgspec.Raw = _ABSENT
-    admission: msgspec.Raw = _ABSENT
-    overflow: msgspec.Raw = _ABSENT
-    budgets: msgspec.Raw = _ABSENT
-    pools: msgspec.Raw = _ABSENT
-    counters: msgspec.Raw = _ABSENT
-    memory: msgspec.Raw = _ABSENT
-    host: msgspec.Raw = _ABSENT
-    tenants: msgspec.Raw = _ABSENT
-    integration: msgspec.Raw = _ABSENT
-    requests: Annotated[list[Row], msgspec.Meta(max_length=MAX_REQUESTS)] | msgspec.UnsetType = msgspec.UNSET
-    request_columns: Columns | msgspec.UnsetType = msgspec.UNSET
-
-
-_RAW_KEYS = tuple(name for name in _Document.__struct_fields__ if name not in ("requests", "request_columns"))
+#: the top-level keys of the protocol other than the requests: kept as raw JSON, decoded by orjson
+_RAW_KEYS = ("schema", "engine", "admission", "overflow", "budgets", "pools", "counters", "memory", "host", "tenants",
+             "integration")
+#: the top level: ``requests`` (or ``request_columns``) typed, every other key kept as its raw JSON
+_Document: Any = msgspec.defstruct(
+    "_Document",
+    [
+        *((key, msgspec.Raw, _ABSENT) for key in _RAW_KEYS),
+        ("requests", Annotated[_LIST[Row], msgspec.Meta(max_length=MAX_REQUESTS)] | msgspec.UnsetType, msgspec.UNSET),
+        ("request_columns", Columns | msgspec.UnsetType, msgspec.UNSET),
+    ],
+    forbid_unknown_fields=True,
+    gc=False,
+)
 _DECODER = msgspec.json.Decoder(_Document)
 
 
 def decode(body: bytes | str) -> dict[str, Any] | None:
-    """The document as ``protocol.facts_from_document`` reads it, its ``requests`` as
-    ``TypedRows`` and its ``request_columns`` as ``TypedColumns``; None where the checked
-    path must read it."""
+    """The document as ``protocol.reader`` reads it, its ``requests`` as ``TypedRows`` and
+    its ``request_columns`` as ``TypedColumns``; None where the checked reader must read it."""
     try:
         doc = _DECODER.decode(body)
         out: dict[str, Any] = {}
@@ -177,7 +152,8 @@ def decode(body: bytes | str) -> dict[str, Any] | None:
     return out
 
 
-_FIELDS = Row.__struct_fields__
+_NAMES = tuple(f.name for f in REQUEST_FIELDS)
+_INT_DEFAULTS = tuple((name, FIELDS[name].default) for name in INTEGER_FIELDS if name != "blocks_held")
 
 
 def _known_pools(pools: list[Any], default_pool: str, capacity: dict[str, int]) -> tuple[list[str], set[str]] | None:
@@ -192,14 +168,22 @@ def _known_pools(pools: list[Any], default_pool: str, capacity: dict[str, int]) 
     return pools, names
 
 
-def table_from_rows(rows: list[Row], default_pool: str, capacity: dict[str, int]) -> RequestTable | None:
+def _int_array(values: Any, n: int, default: Any) -> np.ndarray:
+    """n integers; a null entry (None) as ``default``."""
+    try:
+        return np.fromiter(values, dtype=np.int64, count=n)
+    except TypeError:
+        return np.array([default if v is None else v for v in values], dtype=np.int64)
+
+
+def table_from_rows(rows: list[Any], default_pool: str, capacity: dict[str, int]) -> RequestTable | None:
     """The rows as a ``RequestTable`` when they keep the rules across requests (unique
     ids, known pools, no request holding more blocks than its pool); None otherwise."""
     n = len(rows)
     if n == 0:
         return RequestTable([], [], [], [], [], {key: [] for key, _ in INT_COLUMNS})
     # one C call per row, then a C transposition into one tuple per field
-    columns: dict[str, Any] = dict(zip(_FIELDS, zip(*map(astuple, rows), strict=True), strict=True))
+    columns: dict[str, Any] = dict(zip(_NAMES, zip(*map(astuple, rows), strict=True), strict=True))
     ids: list[str] = list(columns["id"])
     if len(set(ids)) != n:
         return None
@@ -214,12 +198,12 @@ def table_from_rows(rows: list[Row], default_pool: str, capacity: dict[str, int]
     assert block_ids is not None
     if block_ids.count(None) == n:
         block_ids = None
-    arrays = {key: np.fromiter(columns[key], dtype=np.int64, count=n) for key in INT_NAMES}
-    held = arrays["blocks_held"]
+    arrays = {name: _int_array(columns[name], n, default) for name, default in _INT_DEFAULTS}
+    held = arrays["blocks_held"] = _int_array(columns["blocks_held"], n, HELD_ABSENT)
     if bool((held == HELD_ABSENT).any()):  # blocks_held defaults to len(block_ids), else 0
         listed = block_ids or repeat(None)
         arrays["blocks_held"] = np.array(
-            [(0 if b is None else len(b)) if h == HELD_ABSENT else h for h, b in zip(columns["blocks_held"], listed, strict=False)],
+            [(0 if b is None else len(b)) if h == HELD_ABSENT else h for h, b in zip(held.tolist(), listed, strict=False)],
             dtype=np.int64,
         )
     return _within_capacity(ids, list(columns["state"]), pools, list(columns["tenant"]), bounds, block_ids, arrays, names, capacity)
@@ -244,7 +228,7 @@ def _text(value: Any, n: int, default: Any) -> list[Any] | None:
     return [default if value is None else value] * n
 
 
-def _ints(value: Any, n: int, key: str, default: int | list[int]) -> np.ndarray | None:
+def _ints(value: Any, n: int, f: Field, default: int | list[int]) -> np.ndarray | None:
     """An integer column as n values: an array (null entries as ``default``, one value or
     one per request), one value repeated, machine integers, None as ``default``."""
     if value is None:
@@ -257,8 +241,7 @@ def _ints(value: Any, n: int, key: str, default: int | list[int]) -> np.ndarray 
         if len(value.int64le) != 8 * n:
             return None
         arr = np.frombuffer(value.int64le, dtype="<i8").astype(np.int64, copy=False)
-        lo, hi = REQUEST_INT_RANGES[key]
-        if n and (int(arr.min()) < lo or int(arr.max()) > hi):
+        if n and (int(arr.min()) < f.minimum or int(arr.max()) > f.maximum):
             return None
         return arr
     if len(value) != n:
@@ -270,11 +253,11 @@ def _ints(value: Any, n: int, key: str, default: int | list[int]) -> np.ndarray 
         return np.array([d if v is None else v for v, d in zip(value, fill, strict=False)], dtype=np.int64)
 
 
-def table_from_columns(cols: Columns, default_pool: str, capacity: dict[str, int]) -> RequestTable | None:
+def table_from_columns(cols: Any, default_pool: str, capacity: dict[str, int]) -> RequestTable | None:
     """``request_columns`` as a ``RequestTable`` when every column has one entry per
-    request and the rules across requests hold; None otherwise (the checked path then
+    request and the rules across requests hold; None otherwise (the checked reader then
     names the problem)."""
-    ids = cols.id
+    ids: list[str] = cols.id
     n = len(ids)
     if n > MAX_REQUESTS or len(set(ids)) != n:
         return None
@@ -282,7 +265,7 @@ def table_from_columns(cols: Columns, default_pool: str, capacity: dict[str, int
     pools = _text(cols.pool, n, default_pool)
     tenants = _text(cols.tenant, n, None)
     bounds = _text(cols.output_bound, n, "cap")
-    block_ids = cols.block_ids
+    block_ids: list[list[int] | None] | None = cols.block_ids
     if states is None or pools is None or tenants is None or bounds is None or (block_ids is not None and len(block_ids) != n):
         return None
     known = _known_pools(pools, default_pool, capacity)
@@ -294,14 +277,15 @@ def table_from_columns(cols: Columns, default_pool: str, capacity: dict[str, int
     if block_ids is not None and block_ids.count(None) == n:
         block_ids = None
     arrays: dict[str, np.ndarray] = {}
-    for key, default in INT_COLUMNS:
-        fallback: int | list[int] = default
-        if key == "blocks_held" and block_ids is not None:  # blocks_held defaults to len(block_ids)
+    for name in INTEGER_FIELDS:
+        f = FIELDS[name]
+        fallback: int | list[int] = 0 if f.default is None else int(f.default)
+        if name == "blocks_held" and block_ids is not None:  # blocks_held defaults to len(block_ids)
             fallback = [0 if b is None else len(b) for b in block_ids]
-        arr = _ints(getattr(cols, key), n, key, fallback)
+        arr = _ints(getattr(cols, name), n, f, fallback)
         if arr is None:
             return None
-        arrays[key] = arr
+        arrays[name] = arr
     return _within_capacity(ids, states, pools, tenants, bounds, block_ids, arrays, names, capacity)
 
 

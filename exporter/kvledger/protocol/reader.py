@@ -6,15 +6,22 @@ document with ``jsonschema`` takes seconds, so ``facts_from_document`` checks th
 rules by hand while it converts (and the tests check that both agree on accepted and
 rejected documents). ``validate_document`` runs the schema itself, for tools.
 
+A body is read in two ways, built from one definition of a request (``wire.REQUEST_FIELDS``,
+held to the schema by tests/test_protocol.py): by type (``fast_decoder``: msgspec structs,
+every field checked in C while it is parsed), which takes the common document as is and
+returns None for anything else, and the checked way (``facts_from_document``: field by
+field, naming the path of the first problem), which reads whatever the typed way does not
+take. Both give the same facts or the same error (tests/test_document_decoder.py).
+
 Errors are ``ProtocolError`` whose message starts with the JSON path of the field:
 ``pools[0].num_blocks: expected integer, got "abc"``.
 
 Numeric ranges (``kvledger.model.limits``; the schema states each field's ``minimum`` and
 ``maximum``): every integer is an integer value (``2.0`` is accepted for an integer field,
-as JSON Schema's ``integer`` accepts it, by both the fast and the checked path; ``2.5`` and
-``1e308`` are not: the latter exceeds every maximum) within its field's range; every
-number is finite (NaN and Infinity are not JSON; ``facts_from_json`` rejects them and
-``1e999``) and within 0 .. 2**53 - 1.
+as JSON Schema's ``integer`` accepts it, by the checked reader; the typed one leaves it to
+that; ``2.5`` and ``1e308`` are not: the latter exceeds every maximum) within its field's
+range; every number is finite (NaN and Infinity are not JSON; ``facts_from_json`` rejects
+them and ``1e999``) and within 0 .. 2**53 - 1.
 
 Beyond the schema the converter rejects duplicate pool ids, duplicate request ids,
 requests that name a pool the document lacks, more than ``MAX_REQUESTS`` requests,
@@ -32,12 +39,12 @@ import binascii
 import json
 import math
 from array import array
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 from importlib import resources
 from itertools import repeat
 from operator import itemgetter
-from typing import Any, TypeVar, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 import numpy as np
 import orjson
@@ -48,9 +55,7 @@ from kvledger.model.facts import (
     BUDGET_CATEGORIES,
     COUNTER_NAMES,
     LIMIT_KINDS,
-    OUTPUT_BOUNDS,
     OVERFLOWS,
-    REQUEST_STATES,
     TERM_SOURCES,
     Budgets,
     EngineFacts,
@@ -59,7 +64,6 @@ from kvledger.model.facts import (
     LimitKind,
     MemoryTerm,
     PoolFacts,
-    RequestFacts,
     TenantQuota,
 )
 from kvledger.model.limits import (
@@ -69,17 +73,23 @@ from kvledger.model.limits import (
     MAX_REQUESTS,
     MAX_SAFE_INT,
     MAX_TOKENS,
-    REQUEST_INT_RANGES,
 )
-from kvledger.model.request_table import INT_COLUMNS, RequestTable
-from kvledger.protocol.fast_decoder import TypedColumns, TypedRows, int64le_array, table_from_columns, table_from_rows
+from kvledger.model.request_table import RequestTable
+from kvledger.protocol.fast_decoder import (
+    TypedColumns,
+    TypedRows,
+    int64le_array,
+    table_from_columns,
+    table_from_rows,
+)
 from kvledger.protocol.fast_decoder import decode as decode_typed
+from kvledger.protocol.wire import CHECK_ORDER, INTEGER_FIELDS, REQUEST_FIELDS, REQUIRED, Field
 
 SCHEMA_ID = "kvledger/v1"
 #: an integer column of the columnar form given as machine integers: {"int64le": base64}
 BINARY_INT_KEY = "int64le"
 #: the media type of the columnar form (``request_columns``), which a reader asks for in
-#: its Accept header; integration/document_server.py serves it under the same name
+#: its Accept header; kvledger_engine/document_server.py serves it under the same name
 COLUMNS_MEDIA_TYPE = "application/vnd.kvledger.v1.columns+json"
 #: kind of a limit whose document gives no ``*_limit_kind``: never present a guess as hard
 DEFAULT_LIMIT_KIND: LimitKind = "estimate"
@@ -269,15 +279,6 @@ def _block_refs(value: object, path: str) -> BlockRefArray:
     return BlockRefArray(ids_a, counts_a, bytes(cached_b))
 
 
-def _block_ids(value: object, path: str) -> list[int]:
-    ids = _arr(value, path)
-    if not ids:
-        return ids
-    if set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) <= MAX_SAFE_INT:
-        return ids
-    return [_int(v, f"{path}[{i}]") for i, v in enumerate(ids)]
-
-
 def _column_max(column: array[int]) -> int:
     return int(np.frombuffer(column, dtype=np.uint64).max())
 
@@ -323,144 +324,199 @@ def _pool(raw: object, path: str) -> PoolFacts:
     return out
 
 
-_REQUIRED_INTS = ("prompt_tokens", "max_output_tokens")
-_OPTIONAL_COUNTS = tuple((key, lo, hi) for key, (lo, hi) in REQUEST_INT_RANGES.items() if key not in _REQUIRED_INTS)
-_STATES = frozenset(REQUEST_STATES)
-_BOUNDS = frozenset(OUTPUT_BOUNDS)
 
 
-def _request_fast(r: dict[str, Any], default_pool: str) -> RequestFacts | None:
-    """The common, canonical request (every present field of the exact expected type and
-    range) without building field paths; None sends anything else to the checked parser,
-    which accepts the same documents and names the field of any error."""
-    get = r.get
-    rid, state, prompt, output = get("id"), get("state"), get("prompt_tokens"), get("max_output_tokens")
-    if type(rid) is not str or not rid or type(state) is not str or state not in _STATES:
-        return None
-    if type(prompt) is not int or not 0 <= prompt <= MAX_TOKENS:
-        return None
-    if type(output) is not int or not 0 <= output <= MAX_TOKENS:
-        return None
-    out = RequestFacts(id=rid, state=state, prompt_tokens=prompt, max_output_tokens=output)
-    bound = get("output_bound")
-    if bound is not None:
-        if type(bound) is not str or bound not in _BOUNDS:
-            return None
-        out.output_bound = bound
-    pool = get("pool")
-    if pool is not None and type(pool) is not str:
-        return None
-    out.pool = pool or default_pool
-    tenant = get("tenant")
-    if tenant is not None:
-        if type(tenant) is not str:
-            return None
-        out.tenant = tenant
-    for key, minimum, maximum in _OPTIONAL_COUNTS:
-        v = get(key)
-        if v is not None:
-            if type(v) is not int or not minimum <= v <= maximum:
-                return None
-            setattr(out, key, v)
-    ids = get("block_ids")
-    if ids is not None:
-        if type(ids) is not list or (ids and (set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) > MAX_SAFE_INT)):
-            return None
-        out.block_ids = ids
-        if get("blocks_held") is None:
-            out.blocks_held = len(ids)
-    return out
+# ---------------------------------------------------------------- requests, the checked way
+#
+# Both forms are read as columns, one per field of ``wire.REQUEST_FIELDS`` (the row form
+# transposed, one C call per field), each checked by its field's rules. The first problem
+# named is the first in request order (a request's fields in ``wire.CHECK_ORDER``), as a
+# request-by-request walk would name it.
 
-
-def _request(raw: object, path: str, default_pool: str) -> RequestFacts:
-    if type(raw) is dict and (fast := _request_fast(raw, default_pool)) is not None:
-        return fast
-    return _request_checked(raw, path, default_pool)
-
-
-def _request_checked(raw: object, path: str, default_pool: str) -> RequestFacts:
-    r = _obj(raw, path)
-    ids = r.get("block_ids")
-    out = RequestFacts(
-        id=_req(r, "id", path, _str),
-        state=_req(r, "state", path, _enum, REQUEST_STATES),
-        prompt_tokens=_req(r, "prompt_tokens", path, _int, 0, MAX_TOKENS),
-        max_output_tokens=_req(r, "max_output_tokens", path, _int, 0, MAX_TOKENS),
-    )
-    get = r.get
-    if (v := get("output_bound")) is not None:
-        out.output_bound = _enum(v, f"{path}.output_bound", OUTPUT_BOUNDS)
-    out.pool = _opt(r, "pool", path, _str, True) or default_pool
-    if (v := get("tenant")) is not None:
-        out.tenant = _str(v, f"{path}.tenant", True)
-    for key, minimum, maximum in _OPTIONAL_COUNTS:
-        if (v := get(key)) is not None:
-            setattr(out, key, _int(v, f"{path}.{key}", minimum, maximum))
-    if ids is not None:
-        out.block_ids = _block_ids(ids, f"{path}.block_ids")
-        if get("blocks_held") is None:
-            out.blocks_held = len(out.block_ids)
-    return out
-
-
+_BAD = object()
 _NONE = type(None)
-_INT_RANGES = REQUEST_INT_RANGES
 
 
-def _int_column_fast(values: list[Any], key: str, default: int) -> tuple[list[int], np.ndarray] | None:
-    """``values`` (ints, or None for the default) and their array when every one is an int of
-    the field's range; None on any doubt (the checked path then names the problem)."""
-    if not values:
-        return [], np.zeros(0, dtype=np.int64)
-    types = set(map(type, values))
-    if types == {int}:
-        out: list[int] = values
-    elif types <= {int, _NONE} and key not in _REQUIRED_INTS:
-        out = [default if v is None else v for v in values] if int in types else [default] * len(values)
+def _value_check(f: Field) -> Callable[[object], object]:
+    """A present, non-null value of ``f``: the value as the facts hold it (an integral float
+    as an int), or ``_BAD`` where ``_field_error`` names the problem."""
+    lo, hi = f.minimum, f.maximum
+
+    def integer(value: object) -> object:
+        if type(value) is int:
+            return value if lo <= value <= hi else _BAD
+        if type(value) is float and value.is_integer() and lo <= value <= hi:  # 2.0: an integer to JSON Schema
+            return int(value)
+        return _BAD
+
+    if f.json_type == "integer":
+        return integer
+    if f.json_type == "string":
+        allow_empty = f.allow_empty
+        return lambda value: value if isinstance(value, str) and (value or allow_empty) else _BAD
+    if f.json_type == "enum":
+        members = frozenset(f.options)
+        return lambda value: value if isinstance(value, str) and value in members else _BAD
+
+    def integers(value: object) -> object:
+        if not isinstance(value, list):
+            return _BAD
+        if not value or (set(map(type, value)) == {int} and min(value) >= lo and max(value) <= hi):
+            return value
+        items = list(map(integer, value))
+        return _BAD if _BAD in items else items
+
+    return integers
+
+
+def _field_error(f: Field, value: object, path: str) -> NoReturn:
+    """ProtocolError naming what is wrong with ``value`` at ``path`` (a value ``_value_check`` refuses)."""
+    if f.json_type == "integer":
+        _int(value, path, f.minimum, f.maximum)
+    elif f.json_type == "string":
+        _str(value, path, f.allow_empty)
+    elif f.json_type == "enum":
+        _enum(value, path, f.options)
     else:
-        return None
-    arr = np.array(out, dtype=np.int64)  # OverflowError beyond int64: caught by the callers
-    minimum, maximum = _INT_RANGES[key]
-    if len(arr) and (int(arr.min()) < minimum or int(arr.max()) > maximum):
-        return None
-    return out, arr
+        for j, v in enumerate(_arr(value, path)):
+            _int(v, f"{path}[{j}]", f.minimum, f.maximum)
+    raise AssertionError(f"{path}: {_show(value)} refused by the check, read by the reader")
 
 
-def _text_column_fast(values: list[Any], allow_empty: bool) -> bool:
+_MEMBERS = {f.name: frozenset((*f.options, None)) for f in REQUEST_FIELDS if f.json_type == "enum"}
+
+
+def _column_ok(f: Field, values: list[Any] | np.ndarray) -> bool:
+    """Every value of the column as it is (the common document), by C-level checks over the
+    whole column; False sends the column value by value."""
+    if isinstance(values, np.ndarray):  # machine integers (int64le)
+        return not len(values) or (int(values.min()) >= f.minimum and int(values.max()) <= f.maximum)
     types = set(map(type, values))
-    return types <= {str, _NONE} and (allow_empty or "" not in values)
-
-
-def _fits_pools(
-    pools: list[str], held: np.ndarray, block_ids: list[Any] | None, capacity: dict[str, int]
-) -> bool:
-    """Every request names a pool of the document and holds at most its capacity."""
-    names = set(pools)
-    if not names <= capacity.keys():
+    if types == {_NONE}:
+        return not f.required
+    if f.json_type == "integer":
+        return types == {int} and min(values) >= f.minimum and max(values) <= f.maximum
+    if f.json_type == "integers":
         return False
-    if len(names) == 1:
-        cap: int | np.ndarray = capacity[next(iter(names))]
-    else:
-        cap = np.fromiter(map(capacity.__getitem__, pools), dtype=np.int64, count=len(pools))
-    if len(held) and bool((held > cap).any()):
+    if not types <= ({str} if f.required else {str, _NONE}):
         return False
-    if block_ids is not None:
-        lens = np.fromiter((0 if b is None else len(b) for b in block_ids), dtype=np.int64, count=len(block_ids))
-        if len(lens) and bool((lens > cap).any()):
-            return False
-    return True
+    if f.json_type == "string":
+        return f.allow_empty or "" not in values
+    return set(values) <= _MEMBERS[f.name]
 
 
-def _block_ids_fast(values: list[Any]) -> list[list[int] | None] | bool | None:
-    """The block_ids column: None when no request lists blocks, False on any doubt."""
-    if not values or set(map(type, values)) == {_NONE}:
-        return None
-    for ids in values:
-        if ids is None:
+#: each field with its check, in the order a request's fields are checked
+_CHECKS = tuple((f, _value_check(f)) for f in CHECK_ORDER)
+
+
+def _first_problem(columns: dict[str, Any], n: int) -> tuple[int, Field] | None:
+    """The first request, and its first field, whose value breaks the field's rules (a
+    required one absent or null included); None when every value keeps them. A column is
+    a list of values (one value standing for every request: a list of one) or an int64
+    array. Integral floats are converted, in copies of the lists (the document is not
+    changed)."""
+    first, problem = n, None
+    for f, check in _CHECKS:
+        values = columns[f.name]
+        if _column_ok(f, values):
             continue
-        if type(ids) is not list or (ids and (set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) > MAX_SAFE_INT)):
-            return False
-    return values
+        if isinstance(values, np.ndarray):
+            values = columns[f.name] = values.tolist()
+        copied = False
+        for i in range(min(first, len(values))):  # a problem after the first one found so far is not named
+            value = values[i]
+            if value is None:
+                if f.required:
+                    first, problem = i, f
+                    break
+                continue
+            checked = check(value)
+            if checked is _BAD:
+                first, problem = i, f
+                break
+            if checked is not value:
+                if not copied:
+                    values = columns[f.name] = list(values)
+                    copied = True
+                values[i] = checked
+    return None if problem is None else (first, problem)
+
+
+def _requests_checked(raw: list[Any], default_pool: str, capacity: dict[str, int]) -> RequestTable:
+    """The row form (``requests[]``), naming the field path of the first problem."""
+    n = len(raw)
+    if set(map(type, raw)) <= {dict}:
+        get: Any = dict.get
+        rows = raw
+    else:  # requests that are mappings, up to the first that is not an object
+        n = next((i for i, r in enumerate(raw) if not isinstance(r, Mapping)), n)
+        rows = raw[:n]
+        get = Mapping.get
+    columns = {f.name: list(map(get, rows, repeat(f.name))) for f in REQUEST_FIELDS}
+    problem = _first_problem(columns, n)
+    if problem is not None:
+        i, f = problem
+        value, path = columns[f.name][i], f"requests[{i}].{f.name}"
+        if value is None and f.name not in rows[i]:
+            raise ProtocolError(path, "is required")
+        _field_error(f, value, path)
+    if n < len(raw):
+        _obj(raw[n], f"requests[{n}]")
+    return _table(columns, n, default_pool, capacity, lambda i, name: f"requests[{i}].{name}")
+
+
+#: the defaults of the fields that have one (``pool`` and ``blocks_held`` are derived, in ``_table``)
+_DEFAULTS = tuple((f.name, f.default) for f in REQUEST_FIELDS if f.default is not None)
+
+
+def _table(
+    columns: dict[str, Any], n: int, default_pool: str, capacity: dict[str, int], where: Callable[[int, str], str]
+) -> RequestTable:
+    """Checked columns (lists of n values, integer columns also int64 arrays) as a table:
+    defaults applied, then the rules across requests (the pool named, its capacity,
+    unique ids), each problem named at ``where(i, field)``."""
+    for name, default in _DEFAULTS:
+        values = columns[name]
+        if type(values) is list and None in values:
+            columns[name] = [default if v is None else v for v in values]
+    ids, pools, block_ids = columns["id"], columns["pool"], columns["block_ids"]
+    if None in pools or "" in pools:
+        pools = [p or default_pool for p in pools]
+    held = columns["blocks_held"]
+    if type(held) is list and None in held:  # blocks_held defaults to len(block_ids), else 0
+        held = columns["blocks_held"] = [(0 if b is None else len(b)) if h is None else h for h, b in zip(held, block_ids, strict=True)]
+    listed = None if block_ids.count(None) == n else block_ids
+    if not (set(pools) <= capacity.keys() and len(set(ids)) == n and _fits(pools, held, listed, capacity)):
+        request_ids: set[str] = set()
+        for i, (rid, pool, h, b) in enumerate(zip(ids, pools, held, block_ids, strict=True)):
+            if pool not in capacity:
+                raise ProtocolError(where(i, "pool"), f"no pool with id {json.dumps(pool)}")
+            cap = capacity[pool]
+            if h > cap or (b is not None and len(b) > cap):
+                ids_over = b is not None and len(b) > cap
+                raise ProtocolError(
+                    where(i, "block_ids" if ids_over else "blocks_held"),
+                    f"holds {len(b) if ids_over and b is not None else int(h)} blocks, more than pool {json.dumps(pool)} has ({cap})",
+                )
+            if rid in request_ids:
+                raise ProtocolError(where(i, "id"), f"duplicate request id {json.dumps(rid)}")
+            request_ids.add(rid)
+    ints = {name: columns[name] for name in INTEGER_FIELDS if type(columns[name]) is list}
+    arrays = {name: columns[name] for name in INTEGER_FIELDS if type(columns[name]) is not list}
+    return RequestTable(ids, columns["state"], pools, columns["tenant"], columns["output_bound"], ints, listed, arrays)
+
+
+def _fits(pools: list[str], held: list[int] | np.ndarray, block_ids: list[Any] | None, capacity: dict[str, int]) -> bool:
+    """No request holds more blocks than its pool has (every pool named is known)."""
+    names = set(pools)
+    if len(names) == 1:
+        cap = capacity[next(iter(names))]
+        most = int(held.max()) if isinstance(held, np.ndarray) else max(held, default=0)
+        return most <= cap and (block_ids is None or max(map(len, filter(None, block_ids)), default=0) <= cap)
+    caps = np.fromiter(map(capacity.__getitem__, pools), dtype=np.int64, count=len(pools))
+    if len(caps) and bool((np.asarray(held, dtype=np.int64) > caps).any()):
+        return False
+    return block_ids is None or not any(b is not None and len(b) > c for b, c in zip(block_ids, caps.tolist(), strict=True))
 
 
 def _binary_int_column(value: Mapping[str, Any], path: str, n: int) -> np.ndarray:
@@ -479,188 +535,66 @@ def _binary_int_column(value: Mapping[str, Any], path: str, n: int) -> np.ndarra
     raise ProtocolError(f"{path}.{BINARY_INT_KEY}", f"holds {len(raw)} bytes, not 8 for each of {n} requests")
 
 
-def _table_fast(
-    columns: dict[str, list[Any]], n: int, default_pool: str, capacity: dict[str, int], scalars: frozenset[str] = frozenset(),
-    binary: dict[str, np.ndarray] | None = None,
-) -> RequestTable | None:
-    """The requests when every value is canonical (the exact expected type, in range, ids
-    unique, pools known, within capacity); None on any doubt. Checks whole columns at C
-    speed: no per-request Python work on the common document."""
-    if n == 0:
-        return RequestTable([], [], [], [], [], {key: [] for key, _ in INT_COLUMNS})
-    try:
-        ids = columns["id"]
-        if set(map(type, ids)) != {str} or "" in ids or len(set(ids)) != n:
-            return None
-        states = columns["state"]
-        if not set(states) <= _STATES:
-            return None
-        bounds = columns["output_bound"]
-        bound_set = set(bounds)
-        if not bound_set <= _BOUNDS_OR_NONE:
-            return None
-        pools = columns["pool"]
-        if not _text_column_fast(pools, True):
-            return None
-        tenants = columns["tenant"]
-        if not _text_column_fast(tenants, True):
-            return None
-        ints: dict[str, list[int]] = {}
-        arrays: dict[str, np.ndarray] = {}
-        listed: dict[str, list[int]] = {}
-        for key, default in INT_COLUMNS:
-            if binary is not None and key in binary:  # machine integers: ranges checked on the array
-                arr = binary[key]
-                minimum, maximum = _INT_RANGES[key]
-                if len(arr) and (int(arr.min()) < minimum or int(arr.max()) > maximum):
-                    return None
-                arrays[key] = arr
-                continue
-            values = columns[key]
-            if key in scalars:  # one value for every request: checked once
-                one = _int_column_fast(values[:1], key, default)
-                if one is None:
-                    return None
-                listed[key], arrays[key] = one[0] * n, np.full(n, one[0][0], dtype=np.int64)
-                continue
-            col = _int_column_fast(values, key, default)
-            if col is None:
-                return None
-            listed[key], arrays[key] = col
-        ints.update(listed)
-        block_ids = _block_ids_fast(columns["block_ids"])
-        if block_ids is False:
-            return None
-    except (TypeError, OverflowError, ValueError):  # unhashable values, ints beyond int64
-        return None
-    assert block_ids is not True
-    if None in bound_set:
-        bounds = ["cap" if b is None else b for b in bounds]
-    if None in pools or "" in pools:
-        pools = [p or default_pool for p in pools]
-    if block_ids is not None and "blocks_held" in ints:
-        explicit = columns["blocks_held"]
-        if None in explicit:  # blocks_held defaults to len(block_ids)
-            held = [len(b) if h is None and b is not None else v
-                    for h, b, v in zip(explicit, block_ids, ints["blocks_held"], strict=True)]
-            ints["blocks_held"] = held
-            arrays["blocks_held"] = np.array(held, dtype=np.int64)
-    if not _fits_pools(pools, arrays["blocks_held"], block_ids, capacity):
-        return None
-    return RequestTable(ids, states, pools, tenants, bounds, ints, block_ids, arrays)
-
-
-_COLUMN_KEYS = ("id", "state", "pool", "tenant", "output_bound", *(k for k, _ in INT_COLUMNS), "block_ids")
-_BOUNDS_OR_NONE = frozenset((*OUTPUT_BOUNDS, None))
-
-
-def _requests_fast(raw: list[Any], default_pool: str, capacity: dict[str, int]) -> RequestTable | None:
-    """The row form (``requests[]``) read column by column; None on any doubt."""
-    n = len(raw)
-    if n and set(map(type, raw)) != {dict}:
-        return None
-    columns: dict[str, list[Any]] | None = None
-    if n:
-        # rows that all have the first row's keys (the usual document): one C call per row
-        keys = list(raw[0])
-        if set(map(len, raw)) == {len(keys)}:
-            try:
-                transposed = zip(*map(itemgetter(*keys), raw), strict=True) if len(keys) > 1 else None
-            except KeyError:
-                transposed = None
-            if transposed is not None:
-                try:
-                    found = dict(zip(keys, map(list, transposed), strict=True))
-                except KeyError:
-                    found = None
-                if found is not None:
-                    absent = [None] * n
-                    columns = {key: found.get(key, absent) for key in _COLUMN_KEYS}
-    if columns is None:
-        get = dict.get
-        columns = {key: list(map(get, raw, repeat(key))) for key in _COLUMN_KEYS}
-    return _table_fast(columns, n, default_pool, capacity)
-
-
-def _requests_checked(raw: list[Any], default_pool: str, capacity: dict[str, int]) -> RequestTable:
-    """The row form request by request, naming the field path of the first problem."""
-    requests = [_request(r, f"requests[{i}]", default_pool) for i, r in enumerate(raw)]
-    request_ids: set[str] = set()
-    for i, req in enumerate(requests):
-        if req.pool not in capacity:
-            raise ProtocolError(f"requests[{i}].pool", f"no pool with id {json.dumps(req.pool)}")
-        cap = capacity[req.pool]
-        if req.blocks_held > cap or (req.block_ids is not None and len(req.block_ids) > cap):
-            ids_over = req.block_ids is not None and len(req.block_ids) > cap
-            held = len(req.block_ids) if ids_over and req.block_ids is not None else req.blocks_held
-            raise ProtocolError(
-                f"requests[{i}].{'block_ids' if ids_over else 'blocks_held'}",
-                f"holds {held} blocks, more than pool {json.dumps(req.pool)} has ({cap})",
-            )
-        if req.id in request_ids:
-            raise ProtocolError(f"requests[{i}].id", f"duplicate request id {json.dumps(req.id)}")
-        request_ids.add(req.id)
-    return RequestTable.from_requests(requests)
-
-
 def _request_columns(value: object, default_pool: str, capacity: dict[str, int]) -> RequestTable:
     """The columnar form (``request_columns``, docs/ledger.md): one array per request field,
     entry i of every array describing request i. Same fields, types, ranges and rules as
-    ``requests[]``; errors name ``request_columns.<field>[i]``."""
+    ``requests[]``, read by the same checks; errors name ``request_columns.<field>[i]``
+    (``request_columns.<field>`` for a column given as one value)."""
     path = "request_columns"
     cols = _obj(value, path)
-    for key in ("id", "state", "prompt_tokens", "max_output_tokens"):
+    for key in REQUIRED:
         if cols.get(key) is None:
             raise ProtocolError(f"{path}.{key}", "is required")
     n = len(_arr(cols["id"], f"{path}.id"))
     if n > MAX_REQUESTS:
         raise ProtocolError(f"{path}.id", f"lists {n} requests, more than {MAX_REQUESTS}")
-    columns: dict[str, list[Any]] = {}
+    columns: dict[str, Any] = {}
     scalars: set[str] = set()
-    binary: dict[str, np.ndarray] = {}
-    for key in _COLUMN_KEYS:
+    for f in CHECK_ORDER:
+        key = f.name
         column = cols.get(key)
         if column is None:
             columns[key] = [None] * n
-            continue
-        if key in _INT_RANGES and isinstance(column, Mapping):
-            binary[key] = _binary_int_column(column, f"{path}.{key}", n)
-            columns[key] = []  # listed only if a check needs the entries
-            continue
-        if key not in _ARRAY_ONLY and not isinstance(column, (list, Mapping)):
-            columns[key] = [column] * n  # one value for every request
+        elif f.json_type == "integer" and isinstance(column, Mapping):
+            columns[key] = _binary_int_column(column, f"{path}.{key}", n)  # ranges checked on the array
+        elif f.one_value and not isinstance(column, (list, Mapping)):
+            columns[key] = [column] if n else []  # one value for every request: checked once
             scalars.add(key)
-            continue
-        column = _arr(column, f"{path}.{key}")
-        if len(column) != n:
-            raise ProtocolError(f"{path}.{key}", f"has {len(column)} entries, {path}.id has {n}")
-        columns[key] = column
-    fast = _table_fast(columns, n, default_pool, capacity, frozenset(scalars), binary)
-    if fast is not None:
-        return fast
-    for key, arr in binary.items():
-        columns[key] = arr.tolist()
-    # the checked walk: every entry as requests[] checks it, naming the first problem
-    rows = [{key: columns[key][i] for key in _COLUMN_KEYS if columns[key][i] is not None} for i in range(n)]
-    try:
-        return _requests_checked(rows, default_pool, capacity)
-    except ProtocolError as exc:
-        raise ProtocolError(_column_path(exc.path, scalars), exc.detail) from None
+        else:
+            column = _arr(column, f"{path}.{key}")
+            if len(column) != n:
+                raise ProtocolError(f"{path}.{key}", f"has {len(column)} entries, {path}.id has {n}")
+            columns[key] = column
+
+    def where(i: int, key: str) -> str:
+        return f"{path}.{key}" if key in scalars else f"{path}.{key}[{i}]"
+
+    problem = _first_problem(columns, n)
+    if problem is not None:
+        i, f = problem
+        entry = columns[f.name][i]
+        if entry is None:
+            raise ProtocolError(where(i, f.name), "is required")
+        _field_error(f, entry, where(i, f.name))
+    for key in scalars:
+        columns[key] = columns[key] * n
+    return _table(columns, n, default_pool, capacity, where)
 
 
-#: columns that must be arrays; any other may be one value standing for every request
-_ARRAY_ONLY = frozenset(("id", "block_ids"))
-
-
-def _column_path(row_path: str, scalars: set[str]) -> str:
-    """``requests[3].prompt_tokens[0]`` -> ``request_columns.prompt_tokens[3][0]``
-    (``request_columns.pool`` for a column given as one value)."""
-    head, _, rest = row_path.partition("].")
-    index = head.removeprefix("requests[")
-    key, bracket, tail = rest.partition("[")
-    if key in scalars:
-        return f"request_columns.{key}"
-    return f"request_columns.{key}[{index}]" + (bracket + tail if bracket else "")
+def _requests(key: str, value: object, default_pool: str, capacity: dict[str, int]) -> RequestTable | None:
+    """``requests`` or ``request_columns``: structs the typed decoder made (``TypedRows``,
+    ``TypedColumns``) as a table, None where they break a rule across requests (the
+    checked reader then names it, from the body's JSON values); JSON values the checked way."""
+    if isinstance(value, TypedRows):
+        return table_from_rows(value.rows, default_pool, capacity)
+    if isinstance(value, TypedColumns):
+        return table_from_columns(value.columns, default_pool, capacity)
+    if key == "request_columns":
+        return _request_columns(value, default_pool, capacity)
+    raw = _arr(value, "requests")
+    if len(raw) > MAX_REQUESTS:
+        raise ProtocolError("requests", f"lists {len(raw)} requests, more than {MAX_REQUESTS}")
+    return _requests_checked(raw, default_pool, capacity)
 
 
 def _host(raw: object) -> HostFacts:
@@ -680,37 +614,10 @@ def _host(raw: object) -> HostFacts:
     return out
 
 
-class _ReadChecked(Exception):
-    """Typed rows that break a rule across requests: the body is read the checked way."""
 
-
-def _typed_table(value: object, default_pool: str, capacity: dict[str, int]) -> RequestTable | None:
-    """The requests decoded by type (facts_from_json's fast path) as a table; None when
-    ``value`` was decoded as plain JSON; ``_ReadChecked`` when they break a rule."""
-    if isinstance(value, TypedRows):
-        table = table_from_rows(value.rows, default_pool, capacity)
-    elif isinstance(value, TypedColumns):
-        table = table_from_columns(value.columns, default_pool, capacity)
-    else:
-        return None
-    if table is None:
-        raise _ReadChecked
-    return table
-
-
-def _requests_row_form(value: object, default_pool: str, capacity: dict[str, int]) -> RequestTable:
-    raw_requests = _arr(value, "requests")
-    if len(raw_requests) > MAX_REQUESTS:
-        raise ProtocolError("requests", f"lists {len(raw_requests)} requests, more than {MAX_REQUESTS}")
-    fast = _requests_fast(raw_requests, default_pool, capacity)
-    return fast if fast is not None else _requests_checked(raw_requests, default_pool, capacity)
-
-
-def facts_from_document(doc: object, engine_name: str, *, default_kind: str = "ledger") -> EngineFacts:
-    """Convert a kvledger/v1 document into the facts of engine ``engine_name``.
-
-    Raises ProtocolError naming the JSON path of the first problem.
-    """
+def _read(doc: object, engine_name: str, default_kind: str) -> EngineFacts | None:
+    """The facts of a document, checked in order: schema, pools, requests, the rest. None
+    where requests the typed decoder made break a rule across requests (see ``_requests``)."""
     d = _obj(doc, "")
     if "schema" not in d:
         raise ProtocolError("schema", "is required")
@@ -731,17 +638,17 @@ def facts_from_document(doc: object, engine_name: str, *, default_kind: str = "l
             seen.add(pid)
     default_pool = pools[0].id
     capacity = {p.id: p.num_blocks for p in pools}
-    requests: RequestTable
     if "request_columns" in d:
         if "requests" in d:
             raise ProtocolError("request_columns", "a document carries requests or request_columns, not both")
-        typed = _typed_table(d["request_columns"], default_pool, capacity)
-        requests = typed if typed is not None else _request_columns(d["request_columns"], default_pool, capacity)
+        key = "request_columns"
+    elif "requests" not in d:
+        raise ProtocolError("requests", "is required")
     else:
-        if "requests" not in d:
-            raise ProtocolError("requests", "is required")
-        typed = _typed_table(d["requests"], default_pool, capacity)
-        requests = typed if typed is not None else _requests_row_form(d["requests"], default_pool, capacity)
+        key = "requests"
+    requests = _requests(key, d[key], default_pool, capacity)
+    if requests is None:
+        return None
 
     kind, version = default_kind, None
     if (engine := d.get("engine")) is not None:
@@ -807,6 +714,18 @@ def facts_from_document(doc: object, engine_name: str, *, default_kind: str = "l
     )
 
 
+def facts_from_document(doc: object, engine_name: str, *, default_kind: str = "ledger") -> EngineFacts:
+    """Convert a kvledger/v1 document (as JSON decoding gives it: dicts, lists, strings,
+    numbers, booleans, None) into the facts of engine ``engine_name``, the checked way:
+    field by field, accepting what the schema accepts (with the rules beyond it).
+
+    Raises ProtocolError naming the JSON path of the first problem.
+    """
+    facts = _read(doc, engine_name, default_kind)
+    assert facts is not None  # JSON values: the checked reader returns the requests or raises
+    return facts
+
+
 class NotJsonError(ProtocolError):
     """A body that is not JSON; ``line``, ``column`` and ``reason`` say where and why."""
 
@@ -815,23 +734,31 @@ class NotJsonError(ProtocolError):
         super().__init__("", f"invalid JSON at line {line}, column {column}: {reason}")
 
 
+def typed_facts(data: bytes | str, engine_name: str, *, default_kind: str = "ledger") -> EngineFacts | None:
+    """The body read by type alone (``fast_decoder.decode``: the requests checked in C while
+    msgspec parses them); None where that does not take it as is (``facts_from_json`` then
+    reads it otherwise). Raises ProtocolError as ``facts_from_document`` does for the rest
+    of the document, which is read the same way on either path."""
+    doc = decode_typed(data)
+    if doc is None or ("requests" not in doc and "request_columns" not in doc):
+        return None
+    return _read(doc, engine_name, default_kind)
+
+
 def facts_from_json(data: bytes | str, engine_name: str, *, default_kind: str = "ledger") -> EngineFacts:
     """Decode a kvledger/v1 body and convert it; a body that is not JSON raises
     ``NotJsonError`` (a ProtocolError at ``<document>``).
 
-    The common document is decoded by type (``document_decoder``: requests checked while
-    they are parsed); anything that path does not take as is, is read the checked way:
-    parsed with orjson, which rejects what is not JSON (NaN, Infinity, numbers that
-    overflow a double such as ``1e999``, invalid UTF-8) and nesting deeper than 1024
-    levels, then converted field by field, naming the path of the first problem. Both
-    paths give the same facts for every document the fast one takes.
+    The common document is read by type (``typed_facts``); anything that way does not
+    take as is, is read the checked way: parsed with orjson, which rejects what is not JSON
+    (NaN, Infinity, numbers that overflow a double such as ``1e999``, invalid UTF-8) and
+    nesting deeper than 1024 levels, then converted field by field, naming the path of the
+    first problem (``facts_from_document``). Both give the same facts for every document
+    the typed way takes (tests/test_document_decoder.py).
     """
-    typed = decode_typed(data)
-    if typed is not None:
-        try:
-            return facts_from_document(typed, engine_name, default_kind=default_kind)
-        except _ReadChecked:
-            pass
+    facts = typed_facts(data, engine_name, default_kind=default_kind)
+    if facts is not None:
+        return facts
     try:
         doc = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
