@@ -117,8 +117,8 @@ _ABSENT = msgspec.Raw()
 
 
 #: the top-level keys of the protocol other than the requests: kept as raw JSON, decoded by orjson
-_RAW_KEYS = ("schema", "engine", "admission", "overflow", "budgets", "pools", "counters", "memory", "host", "tenants",
-             "integration")
+_RAW_KEYS = ("schema", "engine", "published_at", "admission", "overflow", "budgets", "pools", "counters", "memory", "host",
+             "tenants", "integration")
 #: the top level: ``requests`` (or ``request_columns``) typed, every other key kept as its raw JSON
 _Document: Any = msgspec.defstruct(
     "_Document",

@@ -702,6 +702,7 @@ def _read(doc: object, engine_name: str, default_kind: str) -> EngineFacts | Non
         kind=kind,
         source="ledger",
         version=version,
+        published_at=_opt(d, "published_at", "", _number),
         admission=_opt(d, "admission", "", _enum, ADMISSIONS),
         overflow=_opt(d, "overflow", "", _enum, OVERFLOWS),
         budgets=budgets,
