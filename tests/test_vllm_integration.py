@@ -1400,7 +1400,9 @@ def test_vllm_source_with_a_live_engine_ledger(fake: ModuleType, sock_dir: Path)
             work.pause(True)
             expected = fake.recount(scheduler)
             facts = source.poll().facts
-            assert source.subsource_health() == [SubsourceReport("ledger", True, None), SubsourceReport("metrics", True, None)]
+            assert source.subsource_health()[0].document_age_seconds is not None  # the ledger's documents say published_at
+            assert [dataclasses.replace(r, document_age_seconds=None) for r in source.subsource_health()] == [
+                SubsourceReport("ledger", True, None), SubsourceReport("metrics", True, None)]
             (pool,) = facts.pools
             assert (pool.in_use, pool.reclaimable, pool.free, pool.references, pool.shared) == tuple(
                 expected[k] for k in ("in_use", "reclaimable", "free", "references", "shared"))
@@ -1479,7 +1481,9 @@ def test_vllm_source_data_parallel_ranks(fake: ModuleType, sock_dir: Path) -> No
                 work.step()
                 work.pause(True)
             facts = source.poll().facts
-            assert source.subsource_health() == [SubsourceReport("ledger", True, None), SubsourceReport("metrics", True, None)]
+            assert source.subsource_health()[0].document_age_seconds is not None  # the ledger's documents say published_at
+            assert [dataclasses.replace(r, document_age_seconds=None) for r in source.subsource_health()] == [
+                SubsourceReport("ledger", True, None), SubsourceReport("metrics", True, None)]
             assert [(p.id, p.num_blocks, p.in_use) for p in facts.pools] == [(str(r), 2047, fake.recount(s)["in_use"]) for r, s in enumerate(schedulers)]
             assert sorted((r.pool, r.id) for r in facts.requests or []) == sorted(
                 (str(rank), rid) for rank, s in enumerate(schedulers) for rid in fake.recount(s)["requests"])
@@ -1637,9 +1641,9 @@ def test_the_ledger_is_exported_while_metrics_is_down(sock_dir: Path, fault: str
 
 def test_a_fresh_data_parallel_engine_is_exact_before_metrics_has_its_gauges(sock_dir: Path) -> None:
     """vLLM has no usage gauge for a rank until that rank has served a request: a fresh
-    two-rank engine's /metrics is 'missing', then shows one rank (sized as if it were the only
-    one). The ledger's pools are exported all along, checked against cache_config_info; vLLM's
-    own usage claim only where /metrics sized the rank as the ledger does."""
+    two-rank engine's /metrics is 'missing', then shows one rank's gauge (both ranks sized from
+    cache_config_info). The ledger's pools are exported all along, checked against
+    cache_config_info; vLLM's own usage claim only where /metrics has the rank's gauge."""
     with metrics_stub(dp_metrics({})) as stub, rank_ledgers(sock_dir) as (address, _):
         source = VllmSource(vllm_cfg(stub.url, address))
         try:
@@ -1649,10 +1653,11 @@ def test_a_fresh_data_parallel_engine_is_exact_before_metrics_has_its_gauges(soc
             assert reports["ledger"].up and reports["metrics"] == SubsourceReport(
                 "metrics", False, "missing: no vllm:kv_cache_usage_perc (nor the 0.10.2 name vllm:gpu_cache_usage_perc) series")
 
-            stub.body = dp_metrics({"1": 20 / 127})  # rank 1 served a request; /metrics reads it as 255 blocks
+            stub.body = dp_metrics({"1": 20 / 127})  # rank 1 served a request: its gauge, rank 0 none yet
             facts = source.poll().facts
             assert_exact_ranks(facts)
-            assert [p.engine_reported_used_blocks for p in facts.pools] == [None, None] and all(r.up for r in health(source).values())
+            assert [p.engine_reported_used_blocks for p in facts.pools] == pytest.approx([None, 20.0])
+            assert all(r.up for r in health(source).values())
 
             stub.body = dp_metrics({"0": 20 / 127, "1": 20 / 127})  # both ranks have served
             facts = source.poll().facts
