@@ -13,6 +13,7 @@ from typing import Literal
 
 from kvledger import __version__
 from kvledger.model.accounts import Accounts, ConfigReload, EngineAccount, PoolAccount
+from kvledger.model.limits import MAX_DOCUMENT_AGE
 from kvledger.model.measure import Measure
 
 Sample = tuple[tuple[str, ...], float]
@@ -452,7 +453,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("kvledger_ledger_document_age_seconds", "gauge", "seconds", "health", ("engine", "source"),
                "Age of the engine's kvledger/v1 document at its latest read: the server's Date less the "
                "document's published_at (the writer's clock). A document showing running requests that is older "
-               "than 30 s is not exact: its source is down with reason stale.",
+               f"than {MAX_DOCUMENT_AGE:g} s is not exact: its source is down with reason stale.",
                _health(lambda h: h.document_age_seconds)),
     MetricSpec("kvledger_source_errors_total", "counter", "", "health", ("engine", "source", "reason"),
                "Failed polls by reason.", _source_errors),
