@@ -19,6 +19,28 @@ class SlidingWindowSpec:
     page_size_bytes: int = 0
 
 
+@dataclass(frozen=True)
+class ChunkedLocalAttentionSpec:
+    block_size: int
+    attention_chunk_size: int
+    page_size_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    block_size: int
+    mamba_cache_mode: str = "align"
+    num_speculative_blocks: int = 0
+    num_prefill_checkpoint_blocks: int = 0
+    page_size_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class CrossAttentionSpec:
+    block_size: int
+    page_size_bytes: int = 0
+
+
 @dataclass
 class KVCacheTensor:
     size: int  # total size of the backing allocation in bytes
@@ -32,7 +54,7 @@ class KVCacheTensor:
 @dataclass
 class KVCacheGroupSpec:
     layer_names: list[str]
-    kv_cache_spec: FullAttentionSpec | SlidingWindowSpec
+    kv_cache_spec: FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec | MambaSpec | CrossAttentionSpec
     host_resident: bool = False
 
 
