@@ -361,8 +361,9 @@ class PublicationChecker:
             window = (spec.sliding_window or 16) if spec.layer_kinds == ("sliding",) else None
         assert (pool.id, pool.num_blocks, pool.block_size, pool.block_bytes, pool.sliding_window) == (
             str(spec.data_parallel_rank), spec.num_gpu_blocks - 1, spec.block_size, spec.block_bytes, window)
-        if spec.layer_kinds and (len(spec.layer_kinds) > 1 or spec.layer_kinds[0] not in ("full", "sliding")):
-            kinds = {"full": "full_attention", "sliding": "sliding_window", "chunked": "chunked_local_attention", "mamba": "mamba"}
+        if spec.layer_kinds and (len(spec.layer_kinds) > 1 or spec.layer_kinds[0] not in ("full", "mla", "sliding")):
+            kinds = {"full": "full_attention", "mla": "full_attention", "sliding": "sliding_window",
+                     "chunked": "chunked_local_attention", "mamba": "mamba"}
             assert [(g.id, g.kind) for g in pool.groups] == [(str(i), kinds[k]) for i, k in enumerate(spec.layer_kinds)]
             assert pool.layer_groups == len(spec.layer_kinds)
         assert {r.speculative_slots for r in facts.requests} <= {spec.num_lookahead_tokens}
@@ -475,7 +476,7 @@ HYBRID_SHAPES = st.builds(
     block_size=st.sampled_from([4, 8]),
     sliding_window=st.sampled_from([8, 12, 20]),
     attention_chunk=st.sampled_from([8, 16]),
-    layer_kinds=st.lists(st.sampled_from(["full", "sliding", "chunked", "mamba"]), min_size=1, max_size=4).map(tuple),
+    layer_kinds=st.lists(st.sampled_from(["full", "mla", "sliding", "chunked", "mamba"]), min_size=1, max_size=4).map(tuple),
     max_num_seqs=st.integers(1, 6),
     max_num_batched_tokens=st.sampled_from([8, 32, 128]),
     async_scheduling=st.booleans(),

@@ -24,6 +24,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheTensor,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request, RequestStatus
@@ -52,8 +53,9 @@ class EngineSpec:
     scheduler_cls: str | type | None = None
     enable_prefix_caching: bool = True
     groups: int = 1
-    # a hybrid model: one KV-cache group per entry ("full", "sliding" (window sliding_window
-    # or 16), "chunked" (chunk attention_chunk), "mamba", "cross"); overrides sliding_window
+    # a hybrid model: one KV-cache group per entry ("full", "mla", "sliding" (window
+    # sliding_window or 16), "chunked" (chunk attention_chunk), "mamba", "cross"); overrides
+    # sliding_window
     layer_kinds: tuple[str, ...] = ()
     attention_chunk: int = 32
     extra: dict[str, Any] = field(default_factory=dict)
@@ -95,6 +97,8 @@ def group_spec(spec: EngineSpec, kind: str) -> Any:
         return MambaSpec(block_size=b)
     if kind == "cross":
         return CrossAttentionSpec(block_size=b)
+    if kind == "mla":
+        return MLAAttentionSpec(block_size=b)
     return FullAttentionSpec(block_size=b)
 
 

@@ -13,6 +13,11 @@ class FullAttentionSpec:
 
 
 @dataclass(frozen=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """DeepSeek's latent attention: full attention for the allocator."""
+
+
+@dataclass(frozen=True)
 class SlidingWindowSpec:
     block_size: int
     sliding_window: int
