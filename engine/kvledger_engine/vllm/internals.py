@@ -325,13 +325,19 @@ class EngineView:
                 held += len(blocks)
                 continue
             # window, chunk and state groups null the blocks they no longer need, from the
-            # front (by identity: list.count would compare block records field by field)
+            # front (by identity: list.count would compare block records field by field); the
+            # null prefix only grows, so each publication reads only where it ends
             start = seen[2]
             end = len(blocks)
             while start < end and blocks[start] is null:
                 start += 1
             seen[2] = start
-            held += sum(1 for b in blocks[start:] if b is not null)
+            if self.group_kinds[g] == "mamba":
+                # a state group may null a block behind a later real one (vLLM frees the state
+                # of two steps ago): count the few entries past the prefix
+                held += sum(1 for b in blocks[start:] if b is not null)
+            else:
+                held += end - start  # a window or chunk: real blocks from the first one on
         if status == self._running:
             state = "running"
         elif status == self._preempted:

@@ -141,6 +141,10 @@ class PoolFacts:
     # The KV-cache groups sharing this pool, when the engine states them (hybrid models):
     # R(r) is then the sum of every group's reservation (docs/design.md, "Hybrid models").
     groups: tuple[KvGroupFacts, ...] = ()
+    # Blocks one request at max_model_len takes, as the engine itself sizes it (vLLM:
+    # num_gpu_blocks / kv_cache_max_concurrency, summed over its KV-cache groups): the
+    # reservation bound from a count of running requests takes at least this per request.
+    engine_request_blocks: int | None = None
     # Checks the source found violated by this poll's raw values, which it therefore left
     # unknown (e.g. vLLM's KV usage outside [0, 1]); the policy counts them as invariant
     # violations like its own.

@@ -86,7 +86,9 @@ def pool_account(engine: EngineFacts, pool: PoolFacts, cols: RequestColumns | No
         # Only a count of admitted requests: each may reserve at most ceil(L / B)
         # blocks, and never less than what is in use.
         running = pool.running_requests
-        bound = running * cap_blocks(pool, L)
+        # per request at L: the policy's blocks over the known groups, or the engine's own
+        # sizing when larger (a hybrid model whose groups its KV events have not named yet)
+        bound = running * max(cap_blocks(pool, L), pool.engine_request_blocks or 0)
         if in_use is not None:
             bound = max(bound, int(in_use))
         acc.reserved_blocks = Measure(upper=bound)
