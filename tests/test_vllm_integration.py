@@ -653,6 +653,37 @@ def test_a_renamed_internal_turns_the_ledger_off_and_vllm_runs_unchanged(fake: M
         assert len(kv_records(caplog)) == 1
 
 
+def test_preempted_tokens_are_the_computed_tokens_each_preemption_threw_away(fake: ModuleType, sock_dir: Path) -> None:
+    """kvledger_preempted_tokens_total's source: the pool's preempted_tokens counts, for every
+    request a step preempted, the tokens it had computed (vLLM zeroes them when it preempts);
+    counted here independently by watching the fake scheduler's own _preempt_request."""
+    spec = fake.EngineSpec(num_gpu_blocks=24, block_size=8, max_model_len=160)
+    with ledger_engine(fake, str(sock_dir / "l.sock"), spec) as scheduler:
+        thrown: list[int] = []
+        original = scheduler._preempt_request
+
+        def watched(request: Any) -> None:
+            thrown.append(request.num_computed_tokens)
+            original(request)
+
+        scheduler._preempt_request = watched
+        work = fake.Workload(scheduler, seed=9)
+        for _ in range(12):
+            work.add(prompt_tokens=40, max_tokens=60)  # more than the pool holds at once: preemptions
+            work.step()
+        work.drain()
+        work.pause(True)  # publishes
+        raw, facts = served(scheduler)
+        (pool,) = facts.pools
+        assert thrown and sum(thrown) > 0
+        assert raw["pools"][0]["preempted_tokens"] == pool.preempted_tokens == sum(thrown)
+        # the window of iterations: every step of the workload within the last seconds
+        budgets = raw["budgets"]
+        steps = [o.total_num_scheduled_tokens for o in work.outputs]
+        assert (budgets["window_scheduled_tokens"], budgets["window_iterations"]) == (sum(steps), len(steps))
+        assert facts.budgets.window_iterations == len(steps)
+
+
 # ---------------------------------------------------------------- (f) a failure inside a hook
 
 

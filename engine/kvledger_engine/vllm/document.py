@@ -89,6 +89,7 @@ class LedgerDocument:
         self._changed: set[str] = set()
         self._summary: PoolSummary | None = None
         self._budgets: dict[str, int] = {}
+        self._pool_counters: dict[str, int] = {}
         self._version = 0
         self._published_at: float | None = None
         self._stats: dict[str, Any] = {}
@@ -106,8 +107,10 @@ class LedgerDocument:
         rows: dict[str, RequestRow],
         gone: set[str],
         stats: dict[str, Any],
+        pool_counters: dict[str, int] | None = None,
     ) -> None:
         with self._lock:
+            self._pool_counters = dict(pool_counters or {})
             self._rows.update(rows)
             for rid in gone:
                 self._rows.pop(rid, None)
@@ -222,6 +225,7 @@ class LedgerDocument:
             "blocks": {"in_use": summary.in_use, "reclaimable": summary.reclaimable, "free": summary.free},
             "references": summary.references,
             "shared": summary.shared,
+            **self._pool_counters,
         }
         integration = dict(self._integration, published_at=published_at, **stats)
         # published_at: when the engine thread last published (a reader stops calling the figures

@@ -27,6 +27,7 @@ from kvledger.policy.invariants import (
 )
 from kvledger.policy.physical import physical_state
 from kvledger.policy.reservations import RequestColumns, _split_by_pool, request_columns
+from kvledger.policy.saturation import binding_constraint, sequences_ratio, token_budget_ratio
 
 
 def pool_account(engine: EngineFacts, pool: PoolFacts, cols: RequestColumns | None, sharing: str) -> PoolAccount:
@@ -107,6 +108,9 @@ def pool_account(engine: EngineFacts, pool: PoolFacts, cols: RequestColumns | No
     acc.admission_headroom_requests = admission_headroom(acc.reserved_blocks, c, b, L, engine.budgets.max_num_seqs, running)
     acc.physical_utilization = ratio_of_capacity(phys.in_use, c)
     acc.quota_utilization = ratio_of_capacity(acc.reserved_blocks, c)
+    acc.saturation = {
+        name: m for name, m in (("kv_quota", acc.quota_utilization), ("kv_physical", acc.physical_utilization)) if m is not None
+    }
     return acc
 
 
@@ -222,6 +226,16 @@ def engine_account(engine: EngineFacts, sharing: str) -> EngineAccount:
             "waiting": counts.waiting if counts else None,
             "preempted": counts.preempted if counts else None,
         }
+    saturation = {
+        name: m
+        for name, m in (
+            ("sequences", sequences_ratio(requests["running"], engine.budgets.max_num_seqs)),
+            ("token_budget", token_budget_ratio(engine.budgets)),
+        )
+        if m is not None
+    }
+    ratios = [item for p in pools for item in p.saturation.items()] + list(saturation.items())
+    binding, candidates = binding_constraint(ratios, engine.admission)
     return EngineAccount(
         facts=engine,
         sharing=sharing,
@@ -230,6 +244,9 @@ def engine_account(engine: EngineFacts, sharing: str) -> EngineAccount:
         extra_context_slots=slots,
         tenants=tenant_accounts(engine, pool_map, columns),
         invariant_violations=sorted(set(violations)),
+        saturation=saturation,
+        binding=binding,
+        binding_candidates=candidates,
     )
 
 
