@@ -205,6 +205,27 @@ ALERTS: tuple[Alert, ...] = (
         "rate(kvledger_preemptions_total[${window}]) > ${per_second}",
     ),
     Alert(
+        "KVLedgerBoundByOneConstraint", "kvledger-resources", "warning",
+        "An engine's queue grows while one constraint is at its limit and every other is far from its own.",
+        "Engine {{ $labels.engine }} is bound by {{ $labels.constraint }} ({{ $value | humanizePercentage }} of its "
+        "limit) while its waiting queue grows and every other constraint stays below ${others_below_pct}: more "
+        "{{ $labels.constraint }} capacity, not more KV memory, is what admits the queue (docs/autoscaling.md).",
+        # from the raw series, not the saturation records (another group: see KVLedgerQuotaExceedsCapacity)
+        "(\n"
+        + mon.indent(mon.binding_ratio(), 2) + "\n"
+        ") > ${bound_ratio}\n"
+        "and on ($E)\n"
+        "(" + mon.queue_trend("${window}") + " > ${queue_growth_per_second})\n"
+        "and on ($E)\n"
+        "(\n"
+        "  max by ($E) (\n"
+        "    kvledger_saturation_ratio{" + mon.PROVEN_BASIS + "}\n"
+        "      and on ($E, constraint)\n"
+        "    (kvledger_saturation_binding == 0)\n"
+        "  ) < ${others_below}\n"
+        ")",
+    ),
+    Alert(
         "KVLedgerGPULost", "kvledger-resources", "critical",
         "A GPU stopped answering NVML.",
         "GPU {{ $labels.gpu }} on {{ $labels.instance }} is lost or failing (kvledger_gpu_up=0); engines on it "
@@ -291,11 +312,16 @@ def build(thresholds: dict[str, Any], for_override: str | None = None) -> dict[s
     groups: list[dict[str, Any]] = [{
         "name": "kvledger-recording",
         "rules": [{"record": r.record, "expr": r.expr} for r in mon.RECORDINGS],
+    }, {
+        "name": "kvledger-saturation",
+        "rules": [{"record": r.record, "expr": r.expr} for r in mon.SATURATION_RECORDINGS],
     }]
     for group in GROUP_ORDER:
         rules = []
         for a in (a for a in ALERTS if a.group == group):
             params = {k: _number(v) for k, v in thresholds["alerts"][a.name].items() if k != "for"}
+            if "others_below" in params:
+                params["others_below_pct"] = f"{float(params['others_below']) * 100:g} %"
             subst = {**keys, **params, "daemon_selector": mon.DAEMON_SELECTOR}
             rules.append({
                 "alert": a.name,
