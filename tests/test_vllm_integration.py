@@ -1406,6 +1406,26 @@ def test_merge_ledger_sums_per_rank_budgets(budgets1: dict[str, Any], expected: 
     assert [p.id for p in merged.pools] == ["0", "1"] and sorted({r.pool for r in merged.requests or []}) == ["0", "1"]
 
 
+def test_merge_ledger_adds_the_ranks_windows_and_keeps_each_pools_preempted_tokens() -> None:
+    """The ranks step together: the window's tokens add up, its iterations are each rank's
+    (the most any rank ran); a rank without a window makes the engine's unknown."""
+    metrics = metrics_facts(METRICS_DP2)
+    base = {"max_num_batched_tokens": 256, "max_num_seqs": 8, "max_model_len": 1024, "iteration_tokens": 90}
+
+    def rank(r: str, window: dict[str, int], preempted: int) -> EngineFacts:
+        doc = ledger_doc(r, num_blocks=2047, block_bytes=2097152, budgets={**base, **window})
+        doc["pools"][0]["preempted_tokens"] = preempted
+        return facts_from_document(doc, "e")
+
+    merged = merge_ledger(metrics, {"0": rank("0", {"window_scheduled_tokens": 900, "window_iterations": 10}, 40),
+                                    "1": rank("1", {"window_scheduled_tokens": 300, "window_iterations": 9}, 7)})
+    assert (merged.budgets.window_scheduled_tokens, merged.budgets.window_iterations) == (1200, 10)
+    assert [(p.id, p.preempted_tokens) for p in merged.pools] == [("0", 40), ("1", 7)]
+    partial = merge_ledger(metrics, {"0": rank("0", {"window_scheduled_tokens": 900, "window_iterations": 10}, 0),
+                                     "1": rank("1", {}, 0)})
+    assert (partial.budgets.window_scheduled_tokens, partial.budgets.window_iterations) == (None, None)
+
+
 def _bounds(facts: EngineFacts, metrics: EngineFacts) -> None:
     """``facts`` are the /metrics facts: no pool, request or budget of a ledger in them."""
     assert facts.pools == metrics.pools and facts.requests is None and facts.request_counts == metrics.request_counts
