@@ -212,18 +212,18 @@ ALERTS: tuple[Alert, ...] = (
         "limit) while its waiting queue grows and every other constraint stays below ${others_below_pct}: more "
         "{{ $labels.constraint }} capacity, not more KV memory, is what admits the queue (docs/autoscaling.md).",
         # Evaluated after the saturation records of its own group, so it reads this
-        # evaluation's values (rules of one group run in order at one time): the per-engine
-        # binding join is not evaluated twice (at 10,000 engines it is the costly part,
-        # docs/autoscaling.md). The other constraints' largest ratio has no record: read raw.
+        # evaluation's values (rules of one group run in order at one time) and never the raw
+        # ratio family again (at 10,000 engines reading it is the costly part,
+        # docs/autoscaling.md): the other constraints are those taking part less the binding one.
         "(" + mon.SATURATION_BINDING.record + " > ${bound_ratio})\n"
         "and on ($E)\n"
         "(" + mon.QUEUE_TREND.record + " > ${queue_growth_per_second})\n"
         "and on ($E)\n"
         "(\n"
         "  max by ($E) (\n"
-        "    kvledger_saturation_ratio{" + mon.PROVEN_BASIS + "}\n"
-        "      and on ($E, constraint)\n"
-        "    (kvledger_saturation_binding == 0)\n"
+        "    " + mon.SATURATION_CONSTRAINTS.record + "\n"
+        "      unless on ($E, constraint)\n"
+        "    " + mon.SATURATION_BINDING.record + "\n"
         "  ) < ${others_below}\n"
         ")",
     ),

@@ -112,16 +112,17 @@ PROVEN_BASIS = 'basis=~"exact|lower_bound"'
 QUEUE_TREND_WINDOW = "2m"
 
 
-def binding_ratio() -> str:
-    """Per engine, the saturation ratio of the constraint that binds now, labelled with it:
-    the daemon names the binding constraint (``kvledger_saturation_binding``, the rule lives
-    in its policy); this only picks that constraint's ratio (the fullest pool's). ``without``
-    keeps every target label (``namespace`` among them, which the deployment records group by)."""
+def constraint_ratios() -> str:
+    """Per engine and constraint taking part in its binding (the daemon lists them in
+    ``kvledger_saturation_binding``, 0 or 1), the constraint's ratio on a proven basis, the
+    fullest pool's. ``without`` keeps every target label (``namespace`` among them, which the
+    deployment records group by). The one rule that reads the raw ratio family: at 10,000
+    engines reading it is most of the cost (docs/autoscaling.md), so the others read this."""
     return (
         "max without (pool, basis) (\n"
         f"  {selector('kvledger_saturation_ratio', PROVEN_BASIS)}\n"
         f"    and {on('engine', 'constraint')}\n"
-        "  (kvledger_saturation_binding == 1)\n"
+        "  kvledger_saturation_binding\n"
         ")"
     )
 
@@ -133,7 +134,12 @@ def queue_trend(window: str = QUEUE_TREND_WINDOW) -> str:
 
 DEPLOYMENT = ", ".join(DEPLOYMENT_LABELS)
 
-SATURATION_BINDING = Recording("kvledger:saturation_binding:ratio", binding_ratio())
+SATURATION_CONSTRAINTS = Recording("kvledger:saturation_constraints:ratio", constraint_ratios())
+# the constraint the daemon names as binding (the rule lives in its policy): its ratio
+SATURATION_BINDING = Recording(
+    "kvledger:saturation_binding:ratio",
+    f"{SATURATION_CONSTRAINTS.record}\n  and {on('engine', 'constraint')}\n(kvledger_saturation_binding == 1)",
+)
 QUEUE_TREND = Recording(f"kvledger:requests_waiting:deriv{QUEUE_TREND_WINDOW}", queue_trend())
 # what autoscalers read, per deployment (the replicas of one engine in a namespace)
 DEPLOYMENT_SATURATION = Recording(
@@ -161,7 +167,7 @@ FLEET_BINDING_AVG = Recording(
 # In the order the rule file lists them: a rule reads only records listed before it (rules
 # of one group run in order at the same evaluation time, each seeing the ones before).
 SATURATION_RECORDINGS: tuple[Recording, ...] = (
-    SATURATION_BINDING, QUEUE_TREND, DEPLOYMENT_SATURATION, DEPLOYMENT_HEADROOM, DEPLOYMENT_QUEUE_TREND,
+    SATURATION_CONSTRAINTS, SATURATION_BINDING, QUEUE_TREND, DEPLOYMENT_SATURATION, DEPLOYMENT_HEADROOM, DEPLOYMENT_QUEUE_TREND,
     FLEET_BINDING_COUNT, FLEET_BINDING_AVG,
 )
 
