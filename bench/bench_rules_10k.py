@@ -2,7 +2,7 @@
 evaluating alerts/kvledger.rules.yml, every group's and every saturation rule's evaluation
 time as Prometheus itself reports it (/api/v1/rules: ``evaluationTime``).
 
-    python bench/bench_rules_10k.py                    # 10,000 engines, 100 targets, 2 minutes
+    .venv/bin/python bench/bench_rules_10k.py                    # 10,000 engines, 100 targets, 2 minutes
     python bench/bench_rules_10k.py --engines 1000 --seconds 60
 
 The synthetic fleet: ``--targets`` kvledger daemons (scrape targets) of ``engines/targets``
