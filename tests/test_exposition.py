@@ -17,6 +17,7 @@ from kvledger.model.facts import (
     GpuFacts,
     GpuProcess,
     HostFacts,
+    KvGroupFacts,
     Limit,
     MemoryTerm,
     PoolFacts,
@@ -66,7 +67,13 @@ def rich_snapshot() -> Snapshot:
                     budgets=Budgets(max_model_len=1024))
     gpu = GpuFacts(0, True, "GPU-1", "H200", False, 10**6, 5 * 10**5, 4 * 10**5, 10**5, [GpuProcess(42, 12345)])
     health = [SourceHealth("sim", "ledger", True, None, 1.0, 0.01, {"timeout": 1}, document_age_seconds=0.25)]
-    return Snapshot(engines=[e, v, t, g], gpus=[gpu, GpuFacts(1, False)], driver_version="560.1", health=health)
+    # a hybrid model's pool shared by a sliding-window and a full-attention group (the vLLM ledger)
+    hybrid_pool = PoolFacts(id="0", block_size=32, num_blocks=255, block_bytes=4096, in_use=12, reclaimable=3, free=240,
+                            layer_groups=2, groups=(KvGroupFacts("0", "sliding_window", window=64, in_use=3),
+                                                    KvGroupFacts("1", "full_attention", in_use=9)))  # fmt: skip
+    h = EngineFacts(name="hybrid", kind="vllm", source="ledger", pools=[hybrid_pool], budgets=Budgets(max_model_len=2048),
+                    requests=[RequestFacts(id="h", state="running", prompt_tokens=280, max_output_tokens=20, blocks_held=12)])
+    return Snapshot(engines=[e, v, t, g, h], gpus=[gpu, GpuFacts(1, False)], driver_version="560.1", health=health)
 
 
 def exposition() -> str:

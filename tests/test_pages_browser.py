@@ -28,7 +28,7 @@ from harness.browser import chromium, console_errors
 from harness.kvledger_daemon import Daemon, run_demo, run_lab
 from kvledger.collect.collector import Collector
 from kvledger.collect.sources.base import Contribution, EngineContribution, Source
-from kvledger.model.facts import EngineFacts, PoolFacts, TenantQuota
+from kvledger.model.facts import Budgets, EngineFacts, KvGroupFacts, PoolFacts, RequestFacts, TenantQuota
 from kvledger.tools.lab import MAX_REQUESTS
 from kvledger.tools.lab import run_lab as lab_run
 from kvledger.web.server import KvledgerHTTPServer
@@ -435,4 +435,29 @@ def test_ledger_page_writes_names_as_text_and_tenants_only_with_the_json_view(dr
     hidden = _page_of(driver, False, [Hostile()])
     assert HOSTILE not in hidden["text"].replace(f"pool {HOSTILE}", "")  # only the pool id, never the tenant
     assert "Tenants are not listed: the JSON view is off" in hidden["text"]
+    assert console_errors(driver) == []
+
+
+class Hybrid(Source):
+    """A hybrid model's engine: one pool shared by a sliding-window and a full-attention group."""
+
+    engine = "gemma"
+    kind = "ledger"
+
+    def poll(self) -> Contribution:
+        groups = (KvGroupFacts("0", "sliding_window", window=64, in_use=3), KvGroupFacts("1", "full_attention", in_use=9))
+        pool = PoolFacts(id="0", block_size=32, num_blocks=255, block_bytes=4096, in_use=12, reclaimable=3, free=240,
+                         groups=groups, layer_groups=2)  # fmt: skip
+        request = RequestFacts(id="r", state="running", prompt_tokens=280, max_output_tokens=20, blocks_held=12)
+        return EngineContribution(EngineFacts(name="gemma", kind="vllm", source="ledger", pools=[pool], requests=[request],
+                                              budgets=Budgets(max_model_len=1024)))  # fmt: skip
+
+
+def test_ledger_page_shows_the_groups_within_a_pool(driver: WebDriver) -> None:
+    page = _page_of(driver, False, [Hybrid()])
+    text: str = page["text"]
+    groups = text[text.index("group 0:"):].splitlines()[:6]
+    # R = min(10, ceil(64 / 32) + 1) + ceil(300 / 32): 3 + 10 blocks
+    assert groups == ["group 0: sliding window (64 tokens)", "in use 3 blocks", "reserved 3 blocks",
+                      "group 1: full attention", "in use 9 blocks", "reserved 10 blocks"], text
     assert console_errors(driver) == []

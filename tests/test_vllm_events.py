@@ -336,3 +336,53 @@ def test_engine_restart_after_the_new_run_published_replays_it(pair) -> None:
     received(sub, 2)
     snap = sub.snapshot()
     assert snap.cached_blocks == {0: 2} and snap.restarts == 1 and snap.lost == 0
+
+
+def _hybrid_stored(group: int, hashes: list[int], kind: object, window: object = None) -> dict[str, object]:
+    event: dict[str, object] = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None, "token_ids": [],
+                                "block_size": 32, "group_idx": group, "kv_cache_spec_kind": kind}
+    if window is not None:
+        event["kv_cache_spec_sliding_window"] = window
+    return event
+
+
+def test_a_hybrid_models_groups_come_from_its_events_and_bound_every_group() -> None:
+    """Gemma 3 as vLLM 0.32 publishes it: groups 0 and 1 sliding (window 64, the same block
+    hashes), group 2 full attention. The stock path states the three groups and bounds each
+    running request by every group's blocks at max_model_len."""
+    from kvledger.collect.sources.vllm.source import _with_event_groups
+    from kvledger.model.facts import Budgets, EngineFacts, PoolFacts
+    from kvledger.policy.engine_accounts import engine_account
+
+    led = KvEventState()
+    led.receive(0, _payload([_hybrid_stored(0, [1, 2], "sliding_window", 64), _hybrid_stored(1, [1, 2], "sliding_window", 64),
+                             _hybrid_stored(2, [1, 2, 3], "full_attention")]))  # fmt: skip
+    snap = led.snapshot()
+    assert snap.cached_blocks == {0: 7}  # the same hashes in two groups are two blocks
+    assert snap.groups == {0: {0: ("sliding_window", 64), 1: ("sliding_window", 64), 2: ("full_attention", None)}}
+    pool = _with_event_groups(PoolFacts(id="0", block_size=32, num_blocks=255, in_use=40, running_requests=2), snap.groups[0])
+    assert [(g.id, g.kind, g.window) for g in pool.groups] == [("0", "sliding_window", 64), ("1", "sliding_window", 64),
+                                                               ("2", "full_attention", None)]  # fmt: skip
+    assert pool.layer_groups == 3
+    (acc,) = engine_account(EngineFacts(name="g", kind="vllm", source="vllm", pools=[pool],
+                                        budgets=Budgets(max_model_len=2048)), "per-request").pools  # fmt: skip
+    # at L = 2048: 3 + 3 + 64 = 70 blocks per request (one group alone would say 64)
+    assert acc.reserved_blocks is not None and acc.reserved_blocks.upper == 140
+    assert [g.reserved.upper for g in acc.groups if g.reserved] == [6, 6, 128]
+
+
+def test_a_group_without_a_stated_kind_is_bounded_as_full_attention_and_mamba_by_its_states() -> None:
+    from kvledger.collect.sources.vllm.source import STOCK_STATE_BLOCKS, _with_event_groups
+    from kvledger.model.facts import PoolFacts
+
+    led = KvEventState()
+    led.receive(0, _payload([_hybrid_stored(0, [1], "mamba"), _hybrid_stored(2, [5], "chunked_local_attention"),
+                             _hybrid_stored(3, [6], b"\xff" * 65), _hybrid_stored(1, [7], "sliding_window", True)]))  # fmt: skip
+    pool = _with_event_groups(PoolFacts(id="0", block_size=544, num_blocks=14), led.snapshot().groups[0])
+    assert [(g.kind, g.window, g.state_blocks) for g in pool.groups] == [
+        ("mamba", None, STOCK_STATE_BLOCKS), ("full_attention", None, None), ("full_attention", None, None),
+        ("full_attention", None, None)]  # a window that is no number, a kind that is no kind: full attention
+    one = KvEventState()
+    one.receive(0, _payload([_hybrid_stored(0, [1], "full_attention")]))
+    plain = PoolFacts(id="0", block_size=32, num_blocks=10)
+    assert _with_event_groups(plain, one.snapshot().groups[0]) is plain  # one full-attention group: nothing to state

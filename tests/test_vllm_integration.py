@@ -139,6 +139,7 @@ def as_recount(facts: Any) -> dict[str, Any]:
     """The served facts in the shape of ``driver.recount``."""
     (pool,) = facts.pools
     return {
+        "groups_in_use": [g.in_use for g in pool.groups] if pool.groups else None,
         "in_use": pool.in_use,
         "reclaimable": pool.reclaimable,
         "free": pool.free,
@@ -355,8 +356,16 @@ class PublicationChecker:
         assert as_recount(facts) == expected
         spec, ledger = self.spec, self.scheduler._kvledger
         (pool,) = facts.pools
+        window = spec.sliding_window
+        if spec.layer_kinds:
+            window = (spec.sliding_window or 16) if spec.layer_kinds == ("sliding",) else None
         assert (pool.id, pool.num_blocks, pool.block_size, pool.block_bytes, pool.sliding_window) == (
-            str(spec.data_parallel_rank), spec.num_gpu_blocks - 1, spec.block_size, spec.block_bytes, spec.sliding_window)
+            str(spec.data_parallel_rank), spec.num_gpu_blocks - 1, spec.block_size, spec.block_bytes, window)
+        if spec.layer_kinds and (len(spec.layer_kinds) > 1 or spec.layer_kinds[0] not in ("full", "mla", "sliding")):
+            kinds = {"full": "full_attention", "mla": "full_attention", "sliding": "sliding_window",
+                     "chunked": "chunked_local_attention", "mamba": "mamba"}
+            assert [(g.id, g.kind) for g in pool.groups] == [(str(i), kinds[k]) for i, k in enumerate(spec.layer_kinds)]
+            assert pool.layer_groups == len(spec.layer_kinds)
         assert {r.speculative_slots for r in facts.requests} <= {spec.num_lookahead_tokens}
         assert {(r.pool, r.contexts, r.output_bound) for r in facts.requests} <= {(pool.id, 1, "cap")}
         budgets = facts.budgets
@@ -459,6 +468,50 @@ def test_every_publication_equals_a_recount_of_the_engine(shape: dict[str, Any],
             assert final["requests"] == {} and final["in_use"] == 0  # the workload leaks nothing (the fake's own check)
             assert checker.checked == ledger.publications  # every publication was checked (and the one at attach)
             assert ledger.pool.resyncs == 0  # every change was seen through the wrapped pool
+
+
+HYBRID_SHAPES = st.builds(
+    dict,
+    num_gpu_blocks=st.integers(16, 48),
+    block_size=st.sampled_from([4, 8]),
+    sliding_window=st.sampled_from([8, 12, 20]),
+    attention_chunk=st.sampled_from([8, 16]),
+    layer_kinds=st.lists(st.sampled_from(["full", "mla", "sliding", "chunked", "mamba"]), min_size=1, max_size=4).map(tuple),
+    max_num_seqs=st.integers(1, 6),
+    max_num_batched_tokens=st.sampled_from([8, 32, 128]),
+    async_scheduling=st.booleans(),
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=HYBRID_SHAPES, ops=OPS, seed=st.integers(0, 2**16))
+def test_a_hybrid_model_every_group_in_use_equals_a_recount(shape: dict[str, Any], ops: list[tuple[str, int, float]], seed: int) -> None:
+    """Several KV-cache groups share the pool (sliding window, local-attention chunk, Mamba
+    and full attention in any mix): every publication states each group's blocks in use as
+    a recount of the managers' block tables finds them, and each request's blocks over all
+    groups."""
+    with environment(), installed() as driver, short_dir() as directory:
+        max_model_len = min(96, (shape["num_gpu_blocks"] - 1) * shape["block_size"] // (2 * len(shape["layer_kinds"])))
+        spec = driver.EngineSpec(max_model_len=max(max_model_len, 2 * shape["block_size"]), **shape)
+        with ledger_engine(driver, f"unix://{directory}/ledger.sock", spec, **{ENV_INTERVAL: "0.1"}) as scheduler:
+            ledger = scheduler._kvledger
+            assert ledger is not None, "the integration refused a supported hybrid shape"
+            clock = FakeClock(ledger)
+            _remember_output(scheduler)
+            checker = PublicationChecker(driver, scheduler, spec, "")
+            checker.check()
+            run_ops(driver, scheduler, ops, seed, clock, checker)
+            assert checker.checked == ledger.publications
+
+
+def test_a_group_kvledger_has_no_formula_for_is_refused_in_one_line(fake: ModuleType, sock_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    spec = fake.EngineSpec(layer_kinds=("full", "cross"))
+    with caplog.at_level(logging.INFO, logger=LOGGER), ledger_engine(fake, f"unix://{sock_dir}/l.sock", spec) as scheduler:
+        assert getattr(scheduler, "_kvledger", None) is None
+        fake.Workload(scheduler).add()
+        scheduler.schedule()  # vLLM runs on
+    (record,) = kv_records(caplog)
+    assert "KV-cache group 1 is a CrossAttentionSpec: kvledger has no reservation formula for it" in record.getMessage()
 
 
 def test_a_busy_engine_publishes_between_steps_not_at_each(fake: ModuleType, sock_dir: Path) -> None:

@@ -267,6 +267,45 @@ def _sharing_row(grid: p.Grid) -> None:
     )
 
 
+def _groups_row(grid: p.Grid) -> None:
+    grid.row("KV-cache groups within a pool (hybrid models)")
+    grid.add(
+        p.table(
+            "Groups sharing each pool",
+            "A hybrid model's layer types (full attention, sliding window, chunked local attention, Mamba) "
+            "each keep a KV-cache group; the groups share one pool, a block belonging to one group at a time. "
+            "window_tokens: the span a sliding window or local-attention chunk keeps. Empty for one-group pools.",
+            [q(sel("kvledger_kv_group_info", *EP), table=True)],
+            hide=("Time", "__name__", "job", "Value"),
+        ),
+        w=8,
+    )
+    grid.add(
+        p.timeseries(
+            "Blocks in use by group",
+            "Unique blocks each group's requests reference, stacked: the groups' sum is at most the pool's "
+            "in-use blocks (the engine's own usage gauge counts every group together). A sliding-window or "
+            "Mamba group holds only its window or states, whatever the context length.",
+            [q(sel("kvledger_kv_group_in_use_blocks", *EP), f"{EPL} group {{{{group}}}}")],
+            p.COUNT,
+            axis="blocks",
+            stack=True,
+        ),
+        w=8,
+    )
+    grid.add(
+        p.timeseries(
+            "Reserved blocks by group",
+            "Each group's share of the admitted requests' reservations (R_g summed, each request counted "
+            "alone): a request at its cap needs blocks in every group. `basis` says exact or a bound.",
+            [q(sel("kvledger_kv_group_reserved_blocks", *EP), f"{EPL} group {{{{group}}}} ({{{{basis}}}})")],
+            p.COUNT,
+            axis="blocks",
+        ),
+        w=8,
+    )
+
+
 def _tokens_row(grid: p.Grid) -> None:
     grid.row("Tokens: per-iteration budget vs resident cache")
     grid.add(
@@ -426,6 +465,7 @@ def dashboard() -> g.Dashboard:
     _saturation_row(grid)
     _overcommit_row(grid)
     _sharing_row(grid)
+    _groups_row(grid)
     _tokens_row(grid)
     _bounds_row(grid)
     _tenants_row(grid)

@@ -711,6 +711,11 @@ class Ledger:
                 }
                 if p.reported_used is not None:
                     pool_doc["engine_reported_used_blocks"] = p.reported_used
+                if p.spec.sliding_window is not None:
+                    # the pool's one KV-cache group, stated as kvledger/v1 states a hybrid model's
+                    # groups (its blocks are the pool's: every block in use is the group's)
+                    pool_doc["groups"] = [{"id": "0", "kind": "sliding_window", "window": p.spec.sliding_window,
+                                           "in_use": p.in_use}]  # fmt: skip
                 if include_blocks:
                     ref, cached = p.ref, p.cached
                     pool_doc["block_refs"] = [

@@ -16,7 +16,17 @@ from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfi
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import PauseState, Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.request import Request, RequestStatus
 
 EOS = 2
@@ -43,6 +53,11 @@ class EngineSpec:
     scheduler_cls: str | type | None = None
     enable_prefix_caching: bool = True
     groups: int = 1
+    # a hybrid model: one KV-cache group per entry ("full", "mla", "sliding" (window
+    # sliding_window or 16), "chunked" (chunk attention_chunk), "mamba", "cross"); overrides
+    # sliding_window
+    layer_kinds: tuple[str, ...] = ()
+    attention_chunk: int = 32
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -72,8 +87,25 @@ def vllm_config(spec: EngineSpec) -> VllmConfig:
     )
 
 
+def group_spec(spec: EngineSpec, kind: str) -> Any:
+    b = spec.block_size
+    if kind == "sliding":
+        return SlidingWindowSpec(block_size=b, sliding_window=spec.sliding_window or 16)
+    if kind == "chunked":
+        return ChunkedLocalAttentionSpec(block_size=b, attention_chunk_size=spec.attention_chunk)
+    if kind == "mamba":
+        return MambaSpec(block_size=b)
+    if kind == "cross":
+        return CrossAttentionSpec(block_size=b)
+    if kind == "mla":
+        return MLAAttentionSpec(block_size=b)
+    return FullAttentionSpec(block_size=b)
+
+
 def kv_cache_config(spec: EngineSpec) -> KVCacheConfig:
-    kv_spec: FullAttentionSpec | SlidingWindowSpec
+    kv_spec: Any
+    if spec.layer_kinds:
+        groups = [KVCacheGroupSpec([f"model.layers.{g}.mixer"], group_spec(spec, k)) for g, k in enumerate(spec.layer_kinds)]
     if spec.sliding_window:
         kv_spec = SlidingWindowSpec(block_size=spec.block_size, sliding_window=spec.sliding_window)
     else:
@@ -87,8 +119,9 @@ def kv_cache_config(spec: EngineSpec) -> KVCacheConfig:
             KVCacheTensor(size=size, layers=["model.layers.1.self_attn"], offset=size // 2),
             KVCacheTensor(size=size * 10, layers=["host"], host_resident=True),
         ],
-        kv_cache_groups=[KVCacheGroupSpec([f"model.layers.{g}.self_attn"], kv_spec) for g in range(spec.groups)],
-    )
+        kv_cache_groups=groups if spec.layer_kinds else [
+            KVCacheGroupSpec([f"model.layers.{g}.self_attn"], kv_spec) for g in range(spec.groups)],
+    )  # fmt: skip
 
 
 def build_scheduler(spec: EngineSpec) -> Scheduler:
@@ -218,6 +251,17 @@ class Workload:
 
 # ---------------------------------------------------------------- the brute-force recount
 
+def spec_kind(manager: Any) -> str:
+    spec = manager.kv_cache_spec
+    if isinstance(spec, SlidingWindowSpec):
+        return "sliding"
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return "chunked"
+    if isinstance(spec, MambaSpec):
+        return "mamba"
+    return "full"
+
+
 STATES = {RequestStatus.RUNNING: "running", RequestStatus.PREEMPTED: "preempted", RequestStatus.WAITING: "waiting"}
 
 
@@ -254,7 +298,13 @@ def recount(scheduler: Scheduler, tenant_mode: str = "") -> dict[str, Any]:
             "blocks_held": held,
             "tenant": tenant,
         }
+    managers = manager.coordinator.single_type_managers
+    group_in_use = [
+        len({b.block_id for blocks in m.req_to_blocks.values() for b in blocks if b is not null and b.ref_cnt > 0})
+        for m in managers
+    ]
     return {
+        "groups_in_use": group_in_use if len(managers) > 1 or spec_kind(managers[0]) not in ("full", "sliding") else None,
         "in_use": in_use,
         "reclaimable": reclaimable,
         "free": len(usable) - in_use - reclaimable,

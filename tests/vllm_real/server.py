@@ -275,8 +275,10 @@ class VllmServer:
         startup_timeout: float = 120.0,
         host: str = "127.0.0.1",
         ledger: bool = True,
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
+        self.extra_env = dict(extra_env or {})  # e.g. a test-only plugin on PYTHONPATH
         self.port = port
         self.kv_events_port = kv_events_port
         self.replay_port = replay_port
@@ -361,6 +363,7 @@ class VllmServer:
         if self.ledger:
             env["KVLEDGER_VLLM_LEDGER"] = self.ledger_url
             env["KVLEDGER_VLLM_TENANT"] = "request"
+        env.update(self.extra_env)
         return env
 
     @property

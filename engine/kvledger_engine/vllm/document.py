@@ -46,6 +46,16 @@ class RequestRow:
 
 
 @dataclass(frozen=True, slots=True)
+class GroupStatic:
+    """One KV-cache group sharing the pool (a hybrid model's layers of one type)."""
+
+    id: str
+    kind: str  # full_attention | sliding_window | chunked_local_attention | mamba
+    window: int | None  # tokens a sliding window or a local-attention chunk spans
+    state_blocks: int | None  # blocks one sequence's state takes (mamba)
+
+
+@dataclass(frozen=True, slots=True)
 class PoolStatic:
     """What does not change while the engine runs."""
 
@@ -55,6 +65,17 @@ class PoolStatic:
     num_blocks: int
     sliding_window: int | None
     speculative_slots: int
+    groups: tuple[GroupStatic, ...] = ()  # stated when the pool is shared by several groups
+
+
+def _group_doc(group: GroupStatic, in_use: int | None) -> dict[str, Any]:
+    doc: dict[str, Any] = {"id": group.id, "kind": group.kind}
+    if group.window is not None:
+        doc["window"] = group.window
+    if group.state_blocks is not None:
+        doc["state_blocks"] = group.state_blocks
+    doc["in_use"] = in_use
+    return doc
 
 
 def _dumps(value: object) -> str:
@@ -216,7 +237,7 @@ class LedgerDocument:
         fragments: Any,
     ) -> str:
         pool = self._pool
-        pool_doc = {
+        pool_doc: dict[str, Any] = {
             "id": pool.id,
             "block_size": pool.block_size,
             "block_bytes": pool.block_bytes,
@@ -227,6 +248,10 @@ class LedgerDocument:
             "shared": summary.shared,
             **self._pool_counters,
         }
+        if pool.groups:
+            # one stated group (a chunked or state layer type alone) holds every block in use
+            in_use = summary.group_in_use or ((summary.in_use,) if len(pool.groups) == 1 else ())
+            pool_doc["groups"] = [_group_doc(g, in_use[i] if i < len(in_use) else None) for i, g in enumerate(pool.groups)]
         integration = dict(self._integration, published_at=published_at, **stats)
         # published_at: when the engine thread last published (a reader stops calling the figures
         # exact when it grows old while requests run: the scheduler hung, this thread answering)

@@ -72,7 +72,7 @@ class EngineLedger:
         self.view = view
         self.on = True
         static = view.static
-        self.pool = PoolTracker(len(view.blocks), static.num_blocks, ignored=(view.null_id,))
+        self.pool = PoolTracker(len(view.blocks), static.num_blocks, ignored=(view.null_id,), groups=len(view.managers))
         self.reqs = RequestTracker()
         self.throttle = Throttle(settings.min_interval)
         self.known: set[str] = set()
@@ -222,8 +222,10 @@ class EngineLedger:
         published_running = self.published_running
         touched |= running
         touched |= published_running - running
+        # several KV-cache groups: each request's new blocks are assigned to their group
+        assign = pool.assign if pool.groups > 1 else None
         for rid in touched:
-            row = view.read_request(rid)
+            row = view.read_request(rid, assign)
             if row is None:
                 published_running.discard(rid)
                 if rid in known:

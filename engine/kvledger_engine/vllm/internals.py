@@ -14,8 +14,11 @@ changed: ``get_new_blocks``, ``touch``, ``free_blocks``, ``unpin_blocks``,
 What is subclassed: whichever scheduler class vLLM chose (sync, async or the user's
 ``--scheduler-cls``), returned by a wrapped ``SchedulerConfig.get_scheduler_cls``.
 
-Supported: vLLM 0.32 with one KV-cache group (full attention or sliding window), no
-pipeline or context parallelism. Anything else disables the integration with a reason.
+Supported: vLLM 0.32 with any number of KV-cache groups sharing the device pool, each full
+attention (MLA included), sliding window, chunked local attention or Mamba (linear
+attention), of one block size; no pipeline or context parallelism. Anything else (cross or
+encoder-only attention, sink or circular-buffer layers, HiSparse, groups of different block
+sizes) disables the integration with one line naming what it found.
 """
 
 from __future__ import annotations
@@ -26,12 +29,16 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvledger_engine.vllm.document import PoolStatic, RequestRow
+from kvledger_engine.vllm.document import GroupStatic, PoolStatic, RequestRow
 
 logger = logging.getLogger("vllm.kvledger")
 
 #: vLLM release series this module was tested against (the real-engine suite runs 0.32.0)
 SUPPORTED_SERIES: tuple[str, ...] = ("0.32",)
+
+
+#: group kinds a one-group pool states without ``groups``
+_PLAIN_KINDS = ("full_attention", "sliding_window")
 
 
 class Unsupported(Exception):
@@ -124,10 +131,13 @@ class EngineView:
         if self.blocks:
             _require(self.blocks[-1], "ref_cnt")
             _require(self.blocks[-1], "block_hash")
-        managers = _require(scheduler, "kv_cache_manager.coordinator.single_type_managers")
-        self.managers = [m for m in managers if getattr(m, "block_pool", None) is pool]
-        for m in self.managers:
+        managers = list(_require(scheduler, "kv_cache_manager.coordinator.single_type_managers"))
+        for m in managers:
             _require(m, "req_to_blocks")
+        self.managers = managers
+        # per request and group: [its block table (the list object), entries already
+        # assigned to the group, length of its null prefix] (``read_request``)
+        self._tables: dict[str, list[list[Any]]] = {}
         RequestStatus = _vllm("vllm.v1.request").RequestStatus
         self._running = RequestStatus.RUNNING
         self._preempted = RequestStatus.PREEMPTED
@@ -142,12 +152,22 @@ class EngineView:
             if size != 1:
                 raise Unsupported(f"{name}={size}: the scheduler does not see every rank's KV layout")
         kv_config = _require(scheduler, "kv_cache_config")
-        groups = _require(kv_config, "kv_cache_groups")
-        if len(groups) != 1:
-            raise Unsupported(f"{len(groups)} KV-cache groups (a hybrid model): only one group is supported yet")
-        spec = groups[0].kv_cache_spec
-        block_size = int(_require(spec, "block_size"))
-        sliding_window = getattr(spec, "sliding_window", None)
+        groups = list(_require(kv_config, "kv_cache_groups"))
+        if not groups:
+            raise Unsupported("the KV-cache config has no group")
+        if len(groups) != len(self.managers):
+            raise Unsupported(f"{len(groups)} KV-cache groups but {len(self.managers)} group managers")
+        for g, manager in zip(groups, self.managers, strict=True):
+            if getattr(g, "host_resident", False) or getattr(manager, "block_pool", None) is not self.pool:
+                raise Unsupported("a KV-cache group outside the device block pool (a host-resident group)")
+        shapes = [group_static(str(i), _require(g, "kv_cache_spec")) for i, g in enumerate(groups)]
+        block_sizes = {b for b, _ in shapes}
+        if len(block_sizes) != 1:
+            raise Unsupported(f"KV-cache groups of different block sizes {sorted(block_sizes)}")
+        block_size = block_sizes.pop()
+        group_list = tuple(gs for _, gs in shapes)
+        self.group_kinds = [gs.kind for gs in group_list]
+        sliding_window = group_list[0].window if len(group_list) == 1 and group_list[0].kind == "sliding_window" else None
         num_ids = int(_require(kv_config, "num_blocks"))
         if num_ids != len(self.blocks):
             raise Unsupported(f"the pool has {len(self.blocks)} blocks, the KV-cache config {num_ids}")
@@ -166,8 +186,11 @@ class EngineView:
             block_size=block_size,
             block_bytes=block_bytes,
             num_blocks=num_ids - 1,  # the null block holds no data
-            sliding_window=int(sliding_window) if sliding_window else None,
+            sliding_window=sliding_window,
             speculative_slots=lookahead,
+            # a one-group pool of full attention or a sliding window says so with block_size
+            # and sliding_window alone (the form every kvledger/v1 reader knows)
+            groups=group_list if len(group_list) > 1 or group_list[0].kind not in _PLAIN_KINDS else (),
         )
 
     @property
@@ -283,22 +306,48 @@ class EngineView:
                 total += int(computed)
         return total
 
-    def read_request(self, rid: str) -> RequestRow | None:
-        """The row of request ``rid``, or None when the engine no longer has it."""
+    def read_request(self, rid: str, assign: Callable[[int, int], None] | None = None) -> RequestRow | None:
+        """The row of request ``rid``, or None when the engine no longer has it; with
+        ``assign``, every block newly in one of its block tables is passed to it with its
+        group's index (the pool tracker keeps each group's blocks in use)."""
         request = self.requests.get(rid)
         if request is None:
+            self._tables.pop(rid, None)
             return None
         status = request.status
         if self._is_finished(status):
+            self._tables.pop(rid, None)
             return None  # finished: its blocks (if a connector still holds them) count in the pool only
-        held = 0
         null = self.null_block
-        for manager in self.managers:
+        tables = self._tables.get(rid)
+        if tables is None:
+            tables = self._tables[rid] = [[None, 0, 0] for _ in self.managers]
+        held = 0
+        for g, manager in enumerate(self.managers):
             blocks = manager.req_to_blocks.get(rid)
-            if blocks:
-                # sliding-window groups put the null block in front of the window (by identity:
-                # list.count would compare block records field by field)
-                held += len(blocks) - (sum(1 for b in blocks if b is null) if blocks[0] is null else 0)
+            seen = tables[g]
+            if not blocks:
+                seen[0] = None
+                continue
+            if seen[0] is not blocks or len(blocks) < seen[1]:
+                seen[0], seen[1], seen[2] = blocks, 0, 0  # a new block table (admitted again)
+            if assign is not None:
+                # entries only ever become null after they were read: read the new ones
+                for b in blocks[seen[1]:]:
+                    if b is not null:
+                        assign(b.block_id, g)
+            seen[1] = len(blocks)
+            if self.group_kinds[g] == "full_attention":
+                held += len(blocks)
+                continue
+            # window, chunk and state groups null the blocks they no longer need, from the
+            # front (by identity: list.count would compare block records field by field)
+            start = seen[2]
+            end = len(blocks)
+            while start < end and blocks[start] is null:
+                start += 1
+            seen[2] = start
+            held += sum(1 for b in blocks[start:] if b is not null)
         if status == self._running:
             state = "running"
         elif status == self._preempted:
@@ -342,6 +391,39 @@ class EngineView:
         if iteration_tokens is not None:
             out["iteration_tokens"] = int(iteration_tokens)
         return out
+
+
+def group_static(gid: str, spec: Any) -> tuple[int, GroupStatic]:
+    """(block size, the group as the ledger states it) of one KV-cache group's spec, or
+    Unsupported naming a spec the reservation policy has no formula for."""
+    iface = _vllm("vllm.v1.kv_cache_interface")
+    name = type(spec).__name__
+    block_size = int(_require(spec, "block_size"))
+    refused = ("RSWASpec", "SinkFullAttentionSpec", "HiddenStateCacheSpec", "CircularBufferSpec", "CrossAttentionSpec",
+               "EncoderOnlyAttentionSpec", "UniformTypeKVCacheSpecs", "HiSparseHotSpec", "HiSparseResidentSpec")  # fmt: skip
+    if name in refused:
+        raise Unsupported(f"KV-cache group {gid} is a {name}: kvledger has no reservation formula for it")
+    mamba = getattr(iface, "MambaSpec", None)
+    if mamba is not None and isinstance(spec, mamba):
+        extra = int(getattr(spec, "num_speculative_blocks", 0) or 0)
+        if getattr(spec, "mamba_cache_mode", "none") == "align":
+            # vLLM's own bound (MambaSpec.max_memory_usage_bytes): the running state, the
+            # last block-aligned one, speculative and prefill checkpoint blocks
+            state = 2 + extra + int(getattr(spec, "num_prefill_checkpoint_blocks", 0) or 0)
+        else:
+            state = 1 + extra
+        return block_size, GroupStatic(gid, "mamba", None, state)
+    for cls_name, kind, field in (("SlidingWindowSpec", "sliding_window", "sliding_window"),
+                                  ("ChunkedLocalAttentionSpec", "chunked_local_attention", "attention_chunk_size")):  # fmt: skip
+        cls = getattr(iface, cls_name, None)
+        if cls is not None and isinstance(spec, cls):
+            return block_size, GroupStatic(gid, kind, int(_require(spec, field)), None)
+    full = getattr(iface, "FullAttentionSpec", None)
+    if full is not None and isinstance(spec, full):
+        # a window recorded on a full-attention spec (the hybrid allocator off) still takes
+        # a block for every token: full attention for the ledger
+        return block_size, GroupStatic(gid, "full_attention", None, None)
+    raise Unsupported(f"KV-cache group {gid} is a {name}: kvledger has no reservation formula for it")
 
 
 def step_facts(output: Any) -> tuple[Iterable[str], Iterable[str], Iterable[str] | None, int]:

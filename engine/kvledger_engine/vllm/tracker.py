@@ -34,6 +34,8 @@ class PoolSummary:
     free: int
     references: int
     shared: int
+    # blocks in use per KV-cache group (index order) when several share the pool
+    group_in_use: tuple[int, ...] = ()
 
 
 class PoolTracker:
@@ -43,7 +45,7 @@ class PoolTracker:
     the ids in ``ignored`` (vLLM's null block) are never counted.
     """
 
-    def __init__(self, num_ids: int, capacity: int, ignored: Iterable[int] = ()) -> None:
+    def __init__(self, num_ids: int, capacity: int, ignored: Iterable[int] = (), groups: int = 1) -> None:
         self.num_ids = num_ids
         self.capacity = capacity
         self.ignored = frozenset(ignored)
@@ -56,6 +58,22 @@ class PoolTracker:
         self.references = 0
         self.shared = 0
         self.unreferenced_cached = 0
+        # KV-cache groups sharing the pool (a hybrid model): the group each block was last
+        # seen in (index + 1; 0 = not seen in any request's block table) and the blocks in
+        # use per owner, kept by difference like the summary (``assign`` moves a block)
+        self.groups = groups
+        self._owner = bytearray(num_ids)
+        self.group_in_use = [0] * (groups + 1)
+
+    def assign(self, bid: int, group: int) -> None:
+        """Block ``bid`` is in a block table of group ``group`` (0-based) now."""
+        owner = group + 1
+        old = self._owner[bid]
+        if old != owner:
+            self._owner[bid] = owner
+            if self._ref[bid] > 0:
+                self.group_in_use[old] -= 1
+                self.group_in_use[owner] += 1
 
     def _set(self, bid: int, ref: int, cached: bool) -> None:
         old_ref = self._ref[bid]
@@ -63,7 +81,10 @@ class PoolTracker:
         if old_ref == ref and old_cached == cached:
             return
         self.references += ref - old_ref
-        self.in_use += (ref > 0) - (old_ref > 0)
+        used = (ref > 0) - (old_ref > 0)
+        self.in_use += used
+        if used:
+            self.group_in_use[self._owner[bid]] += used
         self.shared += (ref > 1) - (old_ref > 1)
         self.unreferenced_cached += (ref == 0 and cached) - (old_ref == 0 and old_cached == 1)
         self._ref[bid] = ref
@@ -99,6 +120,7 @@ class PoolTracker:
         self._ref = [0] * self.num_ids
         self._cached = bytearray(self.num_ids)
         self.in_use = self.references = self.shared = self.unreferenced_cached = 0
+        self.group_in_use = [0] * (self.groups + 1)
 
     def summary(self) -> PoolSummary:
         allocated = self.in_use + self.unreferenced_cached
@@ -108,6 +130,7 @@ class PoolTracker:
             free=self.capacity - allocated,
             references=self.references,
             shared=self.shared,
+            group_in_use=tuple(self.group_in_use[1:]) if self.groups > 1 else (),
         )
 
 

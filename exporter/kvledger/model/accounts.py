@@ -27,6 +27,17 @@ class Physical:
     derived: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class GroupAccount:
+    """One KV-cache group of a pool shared by several (a hybrid model), in blocks of the pool."""
+
+    group: str
+    kind: str
+    window: int | None
+    in_use: Measure | None  # distinct blocks the group's requests reference
+    reserved: Measure | None  # the group's share of R(r), summed over admitted requests
+
+
 @dataclass(slots=True)
 class PoolAccount:
     engine: str
@@ -49,6 +60,8 @@ class PoolAccount:
     quota_utilization: Measure | None = None
     # kv_quota and kv_physical saturation (policy/saturation.py), by constraint
     saturation: dict[str, Measure] = field(default_factory=dict)
+    # the KV-cache groups sharing the pool (hybrid models); empty for a one-group pool
+    groups: tuple[GroupAccount, ...] = ()
 
     def bytes_of(self, blocks: Measure | None) -> Measure | None:
         return scaled(blocks, self.block_bytes)

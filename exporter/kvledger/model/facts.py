@@ -76,6 +76,29 @@ class BlockRef:
     cached: bool
 
 
+#: the layer types of a KV-cache group sharing a pool (vLLM's KV-cache specs, by what they hold)
+GROUP_KINDS: tuple[str, ...] = ("full_attention", "sliding_window", "chunked_local_attention", "mamba")
+#: the group kinds that hold a span of tokens (``KvGroupFacts.window``) rather than every block
+WINDOW_GROUP_KINDS: tuple[str, ...] = ("sliding_window", "chunked_local_attention")
+
+
+@dataclass(frozen=True, slots=True)
+class KvGroupFacts:
+    """One KV-cache group sharing a pool (a hybrid model's layers of one type): a block of
+    the pool belongs to one group at a time, and every request holds blocks in every group.
+
+    ``window``: tokens a sliding window or a local-attention chunk spans (None for full
+    attention and state groups); ``state_blocks``: blocks one context's state takes in a
+    state (Mamba, linear-attention) group; ``in_use``: distinct blocks the group's requests
+    reference now, when the engine states it."""
+
+    id: str
+    kind: str  # one of GROUP_KINDS
+    window: int | None = None
+    state_blocks: int | None = None
+    in_use: int | None = None
+
+
 @dataclass(slots=True)
 class PoolFacts:
     """One KV pool of an engine. Capacity fields are required; the rest may be unknown."""
@@ -118,6 +141,9 @@ class PoolFacts:
     preempted_tokens: int | None = None
     # Number of layer groups sharing this pool (hybrid models); token capacity = C // groups * B.
     layer_groups: int = 1
+    # The KV-cache groups sharing this pool, when the engine states them (hybrid models):
+    # R(r) is then the sum of every group's reservation (docs/design.md, "Hybrid models").
+    groups: tuple[KvGroupFacts, ...] = ()
     # Checks the source found violated by this poll's raw values, which it therefore left
     # unknown (e.g. vLLM's KV usage outside [0, 1]); the policy counts them as invariant
     # violations like its own.

@@ -17,6 +17,8 @@ num_blocks                 1 .. 2**32          ``MAX_BLOCKS``; a pool holds at l
 block_bytes                1 .. 2**53 - 1      a size
 contexts (n)               1 .. 1024           ``MAX_CONTEXTS``: R(r) <= n x T stays < 2**42
 layer_groups               1 .. 1024           a divisor
+KV-cache groups of a pool  0 .. 64             ``MAX_KV_GROUPS``; R(r) summed over groups is
+                                               held below ``MAX_RESERVATION`` (2**42)
 block ref counts           0 .. 2**30          their sum over 2**32 blocks stays < 2**63
 requests per document      0 .. 2**20          ``MAX_REQUESTS``: sum of R(r) stays < 2**62
 num_blocks x block_bytes   <= 2**53 - 1        capacity bytes exact in a float
@@ -60,6 +62,14 @@ MAX_TOKENS = 2**30
 MAX_BLOCKS = 2**32
 MAX_CONTEXTS = 1024
 MAX_LAYER_GROUPS = 1024
+#: KV-cache groups one pool states (vLLM's hybrid models have a handful)
+MAX_KV_GROUPS = 64
+#: the largest R(r) a pool with KV-cache groups may give one request (each group's is below
+#: it already); a request above it makes the pool's reservations unknown (invariant
+#: ``reservation_in_range``), so that a sum over MAX_REQUESTS requests stays below 2**62
+MAX_RESERVATION = 2**42
+#: characters of a KV-cache group id (a label value)
+MAX_GROUP_ID = 64
 MAX_REF_COUNT = 2**30
 MAX_REQUESTS = 2**20
 

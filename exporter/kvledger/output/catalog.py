@@ -295,6 +295,27 @@ def _config_reload(value: Callable[[ConfigReload], float]) -> Callable[[Accounts
     return samples
 
 
+def _group_info(a: Accounts) -> Iterator[Sample]:
+    for e, p in _pools(a):
+        for g in p.groups:
+            yield (e.name, p.pool, g.group, g.kind, "" if g.window is None else str(g.window)), 1.0
+
+
+def _group_in_use(a: Accounts) -> Iterator[Sample]:
+    for e, p in _pools(a):
+        for g in p.groups:
+            if g.in_use is not None and g.in_use.exact is not None:
+                yield (e.name, p.pool, g.group), float(g.in_use.exact)
+
+
+def _group_reserved(a: Accounts) -> Iterator[Sample]:
+    for e, p in _pools(a):
+        for g in p.groups:
+            if g.reserved is not None:
+                for basis, v in g.reserved.series():
+                    yield (e.name, p.pool, g.group, basis), float(v)
+
+
 def _build_info(a: Accounts) -> Iterator[Sample]:
     yield (__version__,), 1.0
 
@@ -357,6 +378,17 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("kvledger_kv_token_capacity", "gauge", "tokens", "kv", EP,
                "Tokens the pool can hold (blocks per layer group x block size).",
                _pool_value(lambda p: p.token_capacity)),
+    MetricSpec("kvledger_kv_group_info", "gauge", "", "kv", ("engine", "pool", "group", "layer_type", "window_tokens"),
+               "A KV-cache group sharing the pool (a hybrid model's layers of one type: full_attention, "
+               "sliding_window, chunked_local_attention, mamba) and the tokens its window or chunk spans; 1. A "
+               "block belongs to one group at a time; every request holds blocks in every group.", _group_info),
+    MetricSpec("kvledger_kv_group_in_use_blocks", "gauge", "blocks", "kv", ("engine", "pool", "group"),
+               "Unique blocks of the pool the group's requests reference (exact; the groups' sum is at most the "
+               "pool's in-use blocks). Never summed across pools.", _group_in_use),
+    MetricSpec("kvledger_kv_group_reserved_blocks", "gauge", "blocks", "kv", ("engine", "pool", "group", "basis"),
+               "The group's share of admitted requests' reservations: the sum of R_g(r), each request counted "
+               "alone (a window group its window, a mamba group its state blocks, full attention every block).",
+               _group_reserved),
     MetricSpec("kvledger_engine_reported_kv_used_blocks", "gauge", "blocks", "kv", EP,
                "The engine's own claim of used KV blocks, for consistency checks against unique in-use blocks.",
                _pool_value(lambda p: p.engine_reported_used_blocks)),

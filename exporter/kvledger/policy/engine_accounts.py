@@ -8,7 +8,7 @@ from itertools import repeat
 
 import numpy as np
 
-from kvledger.model.accounts import Accounts, EngineAccount, PoolAccount, TenantAccount
+from kvledger.model.accounts import Accounts, EngineAccount, GroupAccount, PoolAccount, TenantAccount
 from kvledger.model.facts import (
     EngineFacts,
     PoolFacts,
@@ -21,12 +21,14 @@ from kvledger.policy.device_budget import budget_terms, gpu_accounts
 from kvledger.policy.invariants import (
     ENGINE_REPORTED_CHECK,
     ENGINE_RESERVED_CHECK,
+    GROUP_IN_USE_CHECK,
     PHYSICAL_CHECKS,
+    RESERVATION_RANGE_CHECK,
     _request_invariants,
     invariant_violations,
 )
 from kvledger.policy.physical import physical_state
-from kvledger.policy.reservations import RequestColumns, _split_by_pool, request_columns
+from kvledger.policy.reservations import RequestColumns, _split_by_pool, cap_blocks, group_cap_blocks, request_columns
 from kvledger.policy.saturation import binding_constraint, sequences_ratio, token_budget_ratio
 
 
@@ -85,7 +87,7 @@ def pool_account(engine: EngineFacts, pool: PoolFacts, cols: RequestColumns | No
         # Only a count of admitted requests: each may reserve at most ceil(L / B)
         # blocks, and never less than what is in use.
         running = pool.running_requests
-        bound = running * ceil_div(L, b)
+        bound = running * cap_blocks(pool, L)
         if in_use is not None:
             bound = max(bound, int(in_use))
         acc.reserved_blocks = Measure(upper=bound)
@@ -105,13 +107,38 @@ def pool_account(engine: EngineFacts, pool: PoolFacts, cols: RequestColumns | No
     elif in_use is not None and (phys.free is not None or pool.cached_blocks is not None):
         acc.physical_headroom_blocks = Measure(exact=c - in_use)
 
-    acc.admission_headroom_requests = admission_headroom(acc.reserved_blocks, c, b, L, engine.budgets.max_num_seqs, running)
+    acc.admission_headroom_requests = admission_headroom(
+        acc.reserved_blocks, c, b, L, engine.budgets.max_num_seqs, running,
+        per_request_blocks=None if L is None else cap_blocks(pool, L),
+    )  # fmt: skip
     acc.physical_utilization = ratio_of_capacity(phys.in_use, c)
     acc.quota_utilization = ratio_of_capacity(acc.reserved_blocks, c)
+    if pool.groups:
+        acc.groups = group_accounts(pool, cols, L, running if cols is None else None)
     acc.saturation = {
         name: m for name, m in (("kv_quota", acc.quota_utilization), ("kv_physical", acc.physical_utilization)) if m is not None
     }
     return acc
+
+
+def group_accounts(
+    pool: PoolFacts, cols: RequestColumns | None, max_model_len: int | None, running: int | None
+) -> tuple[GroupAccount, ...]:
+    """Per KV-cache group of a shared pool: the distinct blocks its requests reference (as
+    the engine states them) and its share of R(r) summed over admitted requests, each
+    counted alone: exact from a request ledger, at most ``running x`` the group's cap from a
+    count of admitted requests. Blocks of one group never count in another's."""
+    out = []
+    for i, g in enumerate(pool.groups):
+        reserved: Measure | None = None
+        if cols is not None and i < len(cols.group_reservations):
+            reserved = Measure(exact=int(cols.group_reservations[i][cols.admitted].sum()))
+        elif running is not None and max_model_len is not None:
+            bound = running * group_cap_blocks(g, pool.block_size, max_model_len)
+            reserved = Measure(upper=max(bound, g.in_use or 0))
+        in_use = None if g.in_use is None else Measure(exact=g.in_use)
+        out.append(GroupAccount(g.id, g.kind, g.window, in_use, reserved))
+    return tuple(out)
 
 
 def admission_headroom(
@@ -121,14 +148,18 @@ def admission_headroom(
     max_model_len: int | None,
     max_num_seqs: int | None,
     running: int | None,
+    *,
+    per_request_blocks: int | None = None,
 ) -> Measure | None:
     """min(floor(max(0, C - reserved) / ceil(L / B)), max(0, max_num_seqs - running)).
 
-    An upper bound on reserved gives a lower bound on the headroom and vice versa.
+    ``per_request_blocks`` replaces ceil(L / B) where a request at L takes more (a pool
+    shared by KV-cache groups: ``cap_blocks``). An upper bound on reserved gives a lower
+    bound on the headroom and vice versa.
     """
     if reserved is None or max_model_len is None:
         return None
-    per_request: int = ceil_div(max_model_len, block_size)
+    per_request: int = per_request_blocks or ceil_div(max_model_len, block_size)
 
     def fit(res: float | None) -> float | None:
         if res is None:
@@ -198,10 +229,19 @@ def engine_account(engine: EngineFacts, sharing: str) -> EngineAccount:
     pools: list[PoolAccount] = []
     violations: list[str] = []
     for pool in engine.pools:
-        acc = pool_account(engine, pool, columns.get(pool.id), sharing)
-        bad = invariant_violations(pool, acc.physical)
+        pool_cols = columns.get(pool.id)
+        if pool_cols is not None and pool_cols.out_of_range:
+            pool_cols = None  # the requests' reservations are unknown; counts and tenants still stand
+            bad_range = [RESERVATION_RANGE_CHECK]
+        else:
+            bad_range = []
+        acc = pool_account(engine, pool, pool_cols, sharing)
+        bad = invariant_violations(pool, acc.physical) + bad_range
+        if bad_range:
+            acc.reserved_blocks = acc.quota_headroom_blocks = acc.admission_headroom_requests = None
+            acc.quota_utilization = None
         if bad:
-            acc = _without_impossible(engine, pool, acc, bad, columns.get(pool.id), sharing)
+            acc = _without_impossible(engine, pool, acc, bad, pool_cols, sharing)
         pools.append(acc)
         violations.extend(bad)
         if pool.id in by_pool and len(by_pool[pool.id]):
@@ -287,4 +327,6 @@ def _without_impossible(
         acc = pool_account(engine, unknown, cols, sharing)
     if ENGINE_REPORTED_CHECK in bad:
         acc.engine_reported_used_blocks = None
+    if GROUP_IN_USE_CHECK in bad or not PHYSICAL_CHECKS.isdisjoint(bad):
+        acc.groups = tuple(dataclasses.replace(g, in_use=None) for g in acc.groups)
     return acc

@@ -37,6 +37,12 @@ ENGINE_REPORTED_CHECK = "engine_reported_used_in_range"
 #: (per-request counting repeats shared blocks; a source whose reservation cannot exceed its
 #: pool, like llama.cpp's split slots, derives both from the same slots).
 ENGINE_RESERVED_CHECK = "engine_reserved_ge_in_use"
+#: the KV-cache groups of a shared pool state more blocks in use than the pool has in use (a
+#: block belongs to one group at a time): the groups' in-use figures are exported as unknown
+GROUP_IN_USE_CHECK = "groups_in_use_le_in_use"
+#: a request's R(r) summed over a pool's KV-cache groups passed ``MAX_RESERVATION``: the
+#: pool's reservations (and what derives from them) are exported as unknown
+RESERVATION_RANGE_CHECK = "reservation_in_range"
 
 
 def invariant_violations(pool: PoolFacts, phys: Physical) -> list[str]:
@@ -53,6 +59,9 @@ def invariant_violations(pool: PoolFacts, phys: Physical) -> list[str]:
     reserved = pool.reserved_blocks
     if reserved is not None and u is not None and reserved < u:
         bad.append(ENGINE_RESERVED_CHECK)
+    group_in_use = [g.in_use for g in pool.groups if g.in_use is not None]
+    if u is not None and group_in_use and len(group_in_use) == len(pool.groups) and sum(group_in_use) > u:
+        bad.append(GROUP_IN_USE_CHECK)
     if phys.references is not None and u is not None and phys.references < u:
         bad.append("references_ge_in_use")
     if u is not None and phys.shared is not None and u < phys.shared:

@@ -11,10 +11,13 @@ from typing import Any
 import numpy as np
 
 from kvledger.model.facts import (
+    KvGroupFacts,
     PoolFacts,
     RequestFacts,
 )
+from kvledger.model.limits import MAX_RESERVATION
 from kvledger.model.request_table import RequestTable
+from kvledger_engine.reservation import ceil_div
 from kvledger_engine.reservation import reservation_blocks as engine_reservation_blocks
 from kvledger_engine.reservation import window_blocks as window_blocks
 
@@ -47,6 +50,77 @@ def reservation_blocks(
         maximum=np.maximum,
     )
     return r if isinstance(r, np.ndarray) else int(r)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupShape:
+    """A layer type's part of the block pool (the planner's layer types; a pool's stated
+    KV-cache groups, ``group_shape``): its window (None: full attention), its groups, its
+    block size when not the pool's, and for a state type the blocks one sequence's state
+    takes (None: attention, which takes blocks by tokens)."""
+
+    window: int | None
+    groups: int
+    block_size: int | None = None
+    state_blocks: int | None = None
+
+
+def request_blocks(
+    groups: Sequence[GroupShape],
+    prompt_tokens: Any,
+    output_tokens: Any,
+    block_size: int,
+    max_model_len: int | None,
+    *,
+    contexts: Any = 1,
+    speculative_slots: Any = 0,
+    in_flight_tokens: int = 1,
+) -> Any:
+    """Blocks one request takes from the shared pool: R(r) of every layer group, summed
+    (each group keeps its own block table; a window group holds at most its window)."""
+    total: Any = 0
+    for g in groups:
+        if g.state_blocks is not None:
+            total = total + g.groups * np.maximum(1, contexts) * g.state_blocks
+            continue
+        r = reservation_blocks(
+            prompt_tokens,
+            output_tokens,
+            g.block_size or block_size,
+            max_model_len=max_model_len,
+            contexts=contexts,
+            speculative_slots=speculative_slots,
+            sliding_window=g.window,
+            in_flight_tokens=in_flight_tokens,
+        )
+        total = total + g.groups * r
+    return total
+
+
+def group_shape(group: KvGroupFacts) -> GroupShape:
+    """The shape of one stated KV-cache group: a sliding window or a local-attention chunk
+    holds at most the blocks its span covers (a chunk of C tokens never needs more than a
+    window of C), a state group its state blocks per context, full attention every block."""
+    if group.kind == "mamba":
+        return GroupShape(None, 1, state_blocks=group.state_blocks or 1)
+    if group.kind in ("sliding_window", "chunked_local_attention"):
+        return GroupShape(group.window, 1)
+    return GroupShape(None, 1)
+
+
+def cap_blocks(pool: PoolFacts, max_model_len: int) -> int:
+    """Blocks one request at max_model_len may take from the pool: ceil(L / B), or with
+    stated KV-cache groups the sum of every group's reservation for a one-token prompt
+    whose output fills L (a window or chunk group its span, a state group its states)."""
+    if not pool.groups:
+        return int(ceil_div(max_model_len, pool.block_size))
+    shapes = [group_shape(g) for g in pool.groups]
+    return int(request_blocks(shapes, 1, max_model_len - 1, pool.block_size, max_model_len))
+
+
+def group_cap_blocks(group: KvGroupFacts, block_size: int, max_model_len: int) -> int:
+    """``cap_blocks`` of one group."""
+    return int(request_blocks([group_shape(group)], 1, max_model_len - 1, block_size, max_model_len))
 
 
 def held_blocks(req: RequestFacts) -> int:
@@ -84,6 +158,12 @@ class RequestColumns:
     computed: np.ndarray  # computed tokens
     contexts: np.ndarray  # n
     speculative: np.ndarray  # k
+    # R_g(r) of each stated KV-cache group of the pool (their sum is ``reservation``); empty
+    # for a pool without stated groups
+    group_reservations: tuple[np.ndarray, ...] = ()
+    # a request's R(r) summed over groups passed MAX_RESERVATION: the pool's reservations
+    # are unknown (invariant ``reservation_in_range``)
+    out_of_range: bool = False
 
     @property
     def tenants(self) -> list[str | None]:
@@ -114,9 +194,26 @@ def request_columns(requests: Sequence[RequestFacts], pool: PoolFacts, max_model
     states = np.fromiter(map(_STATE_CODE.__getitem__, table.states), dtype=np.int8, count=n)
     contexts = table.column("contexts")
     speculative = table.column("speculative_slots")
-    return RequestColumns(
-        table=table,
-        reservation=reservation_blocks(
+    groups: tuple[np.ndarray, ...] = ()
+    out_of_range = False
+    if not n:
+        reservation = np.zeros(0, dtype=np.int64)
+        groups = tuple(np.zeros(0, dtype=np.int64) for _ in pool.groups)
+    elif pool.groups:
+        # a pool shared by KV-cache groups: R(r) = sum over groups of R_g(r)
+        prompt, output = table.column("prompt_tokens"), table.column("max_output_tokens")
+        groups = tuple(
+            np.asarray(
+                request_blocks([group_shape(g)], prompt, output, pool.block_size, max_model_len,
+                               contexts=contexts, speculative_slots=speculative),
+                dtype=np.int64,
+            )
+            for g in pool.groups
+        )  # fmt: skip
+        reservation = np.sum(groups, axis=0, dtype=np.int64)
+        out_of_range = bool(reservation.max() > MAX_RESERVATION)
+    else:
+        reservation = reservation_blocks(
             table.column("prompt_tokens"),
             table.column("max_output_tokens"),
             pool.block_size,
@@ -125,8 +222,9 @@ def request_columns(requests: Sequence[RequestFacts], pool: PoolFacts, max_model
             speculative_slots=speculative,
             sliding_window=pool.sliding_window,
         )
-        if n
-        else np.zeros(0, dtype=np.int64),
+    return RequestColumns(
+        table=table,
+        reservation=reservation,
         held=table.held(),
         admitted=states != 1,
         running=states == 0,
@@ -136,4 +234,6 @@ def request_columns(requests: Sequence[RequestFacts], pool: PoolFacts, max_model
         computed=table.column("computed_tokens"),
         contexts=contexts,
         speculative=speculative,
+        group_reservations=groups,
+        out_of_range=out_of_range,
     )

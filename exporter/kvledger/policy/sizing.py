@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
 from kvledger.policy.arithmetic import ceil_div
-from kvledger.policy.reservations import reservation_blocks
+from kvledger.policy.reservations import GroupShape as GroupShape
+from kvledger.policy.reservations import request_blocks as request_blocks
 
 # ---------------------------------------------------------------- plan: sizing before serving
 #
@@ -142,50 +143,6 @@ def pool_blocks(kv_pool_bytes_per_gpu: int, block_bytes_per_gpu: int) -> int:
     """Blocks a KV pool of the given bytes holds: floor(pool / bytes of one block), per GPU
     (vLLM: available_memory // bytes_per_block)."""
     return max(0, kv_pool_bytes_per_gpu) // block_bytes_per_gpu
-
-
-@dataclass(frozen=True, slots=True)
-class GroupShape:
-    """A layer type's part of the block pool: its window (None: full attention), its groups,
-    its block size when not the pool's, and for a state type the blocks one sequence's state
-    takes (None: attention, which takes blocks by tokens)."""
-
-    window: int | None
-    groups: int
-    block_size: int | None = None
-    state_blocks: int | None = None
-
-
-def request_blocks(
-    groups: Sequence[GroupShape],
-    prompt_tokens: Any,
-    output_tokens: Any,
-    block_size: int,
-    max_model_len: int,
-    *,
-    contexts: int = 1,
-    speculative_slots: int = 0,
-    in_flight_tokens: int = 1,
-) -> Any:
-    """Blocks one request takes from the shared pool: R(r) of every layer group, summed
-    (each group keeps its own block table; a window group holds at most its window)."""
-    total: Any = 0
-    for g in groups:
-        if g.state_blocks is not None:
-            total = total + g.groups * contexts * g.state_blocks
-            continue
-        r = reservation_blocks(
-            prompt_tokens,
-            output_tokens,
-            g.block_size or block_size,
-            max_model_len=max_model_len,
-            contexts=contexts,
-            speculative_slots=speculative_slots,
-            sliding_window=g.window,
-            in_flight_tokens=in_flight_tokens,
-        )
-        total = total + g.groups * r
-    return total
 
 
 def max_shape_request_blocks(

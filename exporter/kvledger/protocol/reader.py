@@ -54,12 +54,15 @@ from kvledger.model.facts import (
     ADMISSIONS,
     BUDGET_CATEGORIES,
     COUNTER_NAMES,
+    GROUP_KINDS,
     LIMIT_KINDS,
     OVERFLOWS,
     TERM_SOURCES,
+    WINDOW_GROUP_KINDS,
     Budgets,
     EngineFacts,
     HostFacts,
+    KvGroupFacts,
     Limit,
     LimitKind,
     MemoryTerm,
@@ -68,6 +71,8 @@ from kvledger.model.facts import (
 )
 from kvledger.model.limits import (
     MAX_BLOCKS,
+    MAX_GROUP_ID,
+    MAX_KV_GROUPS,
     MAX_LAYER_GROUPS,
     MAX_REF_COUNT,
     MAX_REQUESTS,
@@ -295,6 +300,9 @@ def _pool(raw: object, path: str) -> PoolFacts:
         blocks = {}
     refs = p.get("block_refs")
     layer_groups = _opt(p, "layer_groups", path, _int, 1, MAX_LAYER_GROUPS)
+    groups = _groups(p.get("groups"), f"{path}.groups")
+    if layer_groups is None and groups:
+        layer_groups = len(groups)
     out = PoolFacts(
         id=_req(p, "id", path, _str),
         block_size=_req(p, "block_size", path, _int, 1, MAX_TOKENS),
@@ -311,6 +319,7 @@ def _pool(raw: object, path: str) -> PoolFacts:
         engine_reported_used_blocks=_opt(p, "engine_reported_used_blocks", path, _number),
         preempted_tokens=_opt(p, "preempted_tokens", path, _int),
         layer_groups=1 if layer_groups is None else layer_groups,
+        groups=groups,
     )
     c = out.num_blocks
     for what, per_block in (("block_bytes", out.block_bytes), ("block_size", out.block_size)):
@@ -320,11 +329,50 @@ def _pool(raw: object, path: str) -> PoolFacts:
                 f"{path}.num_blocks",
                 f"num_blocks x {what} = {c} x {per_block} exceeds {MAX_SAFE_INT} (2**53 - 1)",
             )
+    for i, g in enumerate(groups):
+        if g.in_use is not None and g.in_use > c:
+            raise ProtocolError(f"{path}.groups[{i}].in_use", f"{g.in_use} blocks in use, more than num_blocks ({c})")
     if out.block_refs is not None and len(out.block_refs) > c:
         raise ProtocolError(f"{path}.block_refs", f"lists {len(out.block_refs)} blocks, more than num_blocks ({c})")
     return out
 
 
+
+
+def _groups(raw: object, path: str) -> tuple[KvGroupFacts, ...]:
+    """A pool's KV-cache groups (``groups``, hybrid models): ids unique, a window for the
+    window kinds, state blocks (default 1) for a state group."""
+    if raw is None:
+        return ()
+    items = _arr(raw, path)
+    if len(items) > MAX_KV_GROUPS:
+        raise ProtocolError(path, f"lists {len(items)} groups, more than {MAX_KV_GROUPS}")
+    out: list[KvGroupFacts] = []
+    seen: set[str] = set()
+    for i, item in enumerate(items):
+        where = f"{path}[{i}]"
+        g = _obj(item, where)
+        gid = _req(g, "id", where, _str)
+        if len(gid) > MAX_GROUP_ID:
+            raise ProtocolError(f"{where}.id", f"longer than {MAX_GROUP_ID} characters")
+        if gid in seen:
+            raise ProtocolError(f"{where}.id", f"group {_show(gid)} is listed twice")
+        seen.add(gid)
+        kind = _req(g, "kind", where, _enum, GROUP_KINDS)
+        window = _opt(g, "window", where, _int, 1, MAX_TOKENS)
+        if kind in WINDOW_GROUP_KINDS and window is None:
+            raise ProtocolError(f"{where}.window", f"is required for a {kind} group")
+        state_blocks = _opt(g, "state_blocks", where, _int, 1, MAX_LAYER_GROUPS)
+        out.append(
+            KvGroupFacts(
+                id=gid,
+                kind=kind,
+                window=window if kind in WINDOW_GROUP_KINDS else None,
+                state_blocks=(state_blocks or 1) if kind == "mamba" else None,
+                in_use=_opt(g, "in_use", where, _int, 0, MAX_BLOCKS),
+            )
+        )
+    return tuple(out)
 
 
 # ---------------------------------------------------------------- requests, the checked way

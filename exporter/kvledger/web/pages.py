@@ -130,6 +130,7 @@ class _PoolSamples:
     headroom: dict[Labels, Quantity]  # (engine, pool, kind)
     reserved_blocks: dict[Labels, Quantity]
     bytes: dict[str, dict[Labels, Quantity]]  # quantity of BYTES -> (engine, pool) -> quantity
+    groups: dict[Labels, list[dict[str, Any]]]  # (engine, pool) -> its KV-cache groups, in order
 
     @staticmethod
     def of(accounts: Accounts) -> _PoolSamples:
@@ -142,6 +143,7 @@ class _PoolSamples:
             headroom=_measures("kvledger_kv_headroom_bytes", accounts, (*ep, "kind")),
             reserved_blocks=_measures("kvledger_kv_reserved_blocks", accounts, ep),
             bytes={quantity: _measures(family, accounts, ep) for quantity, family in BYTES.items()},
+            groups=_groups(accounts),
         )
 
     def pool(self, engine: str, pool: str) -> dict[str, Any]:
@@ -169,7 +171,27 @@ class _PoolSamples:
                     doc[state] = {"exact": v}
             if (m := self.reserved_blocks.get(ep)) is not None:
                 doc["reserved"] = m
+        if ep in self.groups:
+            doc["groups"] = self.groups[ep]  # in blocks: a group's blocks are the pool's
         return doc
+
+
+def _groups(accounts: Accounts) -> dict[Labels, list[dict[str, Any]]]:
+    """Per pool shared by KV-cache groups: each group's kind, window, blocks in use and
+    reservation (blocks, with their basis), as /metrics shows them."""
+    in_use = _values("kvledger_kv_group_in_use_blocks", accounts, ("engine", "pool", "group"))
+    reserved = _measures("kvledger_kv_group_reserved_blocks", accounts, ("engine", "pool", "group"))
+    out: dict[Labels, list[dict[str, Any]]] = {}
+    for labels, _ in _samples("kvledger_kv_group_info", accounts):
+        key = (labels["engine"], labels["pool"], labels["group"])
+        out.setdefault(key[:2], []).append({
+            "group": labels["group"],
+            "layer_type": labels["layer_type"],
+            "window_tokens": labels["window_tokens"] or None,
+            "in_use": None if key not in in_use else {"exact": in_use[key]},
+            "reserved": reserved.get(key),
+        })  # fmt: skip
+    return out
 
 
 def ledger_document(accounts: Accounts | None, json_view: bool,

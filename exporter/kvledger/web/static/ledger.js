@@ -178,7 +178,17 @@
         figure("reserved", "reserved", pool.reserved, unit, pool.reserved ? share(pool.reserved, C) : null)),
       el("div", { class: "figures" },
         figure("quota_headroom", "quota headroom (capacity \u2212 reserved)", pool.quota_headroom, unit),
-        figure("physical_headroom", "physical headroom (free + reclaimable)", pool.physical_headroom, unit)));
+        figure("physical_headroom", "physical headroom (free + reclaimable)", pool.physical_headroom, unit)),
+      ...(pool.groups || []).map((g) => groupLine(g)));
+  }
+
+  // one KV-cache group of a pool shared by several (a hybrid model), in blocks of the pool
+  function groupLine(g) {
+    const kind = g.layer_type.replace(/_/g, " ") + (g.window_tokens ? ` (${g.window_tokens} tokens)` : "");
+    return el("div", { class: "figures group", data: { group: g.group, layerType: g.layer_type } },
+      el("span", { class: "label", text: `group ${g.group}: ${kind} ` }),
+      figure("group_in_use", "in use", g.in_use, "blocks"),
+      figure("group_reserved", "reserved", g.reserved, "blocks"));
   }
 
   function sourceChips(sources) {

@@ -13,9 +13,36 @@ class FullAttentionSpec:
 
 
 @dataclass(frozen=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """DeepSeek's latent attention: full attention for the allocator."""
+
+
+@dataclass(frozen=True)
 class SlidingWindowSpec:
     block_size: int
     sliding_window: int
+    page_size_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ChunkedLocalAttentionSpec:
+    block_size: int
+    attention_chunk_size: int
+    page_size_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    block_size: int
+    mamba_cache_mode: str = "align"
+    num_speculative_blocks: int = 0
+    num_prefill_checkpoint_blocks: int = 0
+    page_size_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class CrossAttentionSpec:
+    block_size: int
     page_size_bytes: int = 0
 
 
@@ -32,7 +59,7 @@ class KVCacheTensor:
 @dataclass
 class KVCacheGroupSpec:
     layer_names: list[str]
-    kv_cache_spec: FullAttentionSpec | SlidingWindowSpec
+    kv_cache_spec: FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec | MambaSpec | CrossAttentionSpec
     host_resident: bool = False
 
 

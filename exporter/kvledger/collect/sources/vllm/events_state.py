@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 
 from kvledger.collect.sources.vllm.events_wire import GPU_MEDIA, KNOWN_TYPES, EventBatch, EventDecodeError, decode_batch
+from kvledger.model.limits import MAX_KV_GROUPS
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ MAX_TRACKED_BLOCKS = 1 << 22
 #: step, so 2**20 batches are hours of a busy engine's stream. A larger jump is a restart
 #: or a corrupt sequence number (resync); ``lost`` grows by at most this per batch received
 MAX_SEQ_GAP = 1 << 20
+#: KV-cache group indices kept per rank (vLLM's hybrid models have a handful)
+MAX_GROUPS = MAX_KV_GROUPS
 
 ReplayFn = Callable[[int, int], Iterable[tuple[int, bytes]]]  # (rank, start_seq) -> (seq, payload)...
 
@@ -64,6 +67,8 @@ class _RankState:
     dup_from: int = 0  # live seqs in (dup_from, dup_upto] were already applied by a replay
     dup_upto: int | None = None
     first_ts: float | None = None  # publish time of the first batch applied since the last clear
+    # KV-cache groups seen in this rank's BlockStored events: group index -> (spec kind, window)
+    groups: dict[int, tuple[str | None, int | None]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +82,8 @@ class KvEventsSnapshot:
     received: int  # live batches received on the SUB socket (replayed ones not included)
     overflows: int = 0  # ranks cleared for holding more than MAX_TRACKED_BLOCKS hashes
     resyncs: int = 0  # sequence jumps beyond MAX_SEQ_GAP (each also one lost batch)
+    # per DP rank, the KV-cache groups its events named: index -> (spec kind, sliding window)
+    groups: dict[int, dict[int, tuple[str | None, int | None]]] = field(default_factory=dict)
 
 
 class KvEventState:
@@ -274,6 +281,8 @@ class KvEventState:
             if ev.medium not in GPU_MEDIA:
                 continue
             if ev.type == "BlockStored":
+                if (ev.group or ev.spec_kind is not None) and 0 <= ev.group < MAX_GROUPS:
+                    st.groups[ev.group] = (ev.spec_kind, ev.spec_window)
                 st.blocks.update(zip(repeat(ev.group), ev.hashes))  # counted in C
                 if len(st.blocks) > MAX_TRACKED_BLOCKS:
                     self.overflows += 1
@@ -308,5 +317,6 @@ class KvEventState:
                 cached[rank] = sum(st.blocks.values()) if st.trusted else None
                 if not st.trusted:
                     reasons[rank] = st.reason or "unknown"
+            groups = {rank: dict(st.groups) for rank, st in self._ranks.items() if st.groups}
             return KvEventsSnapshot(cached, dict(self._types), self.lost, self.restarts, self.decode_errors,
-                                    reasons, self.received, self.overflows, self.resyncs)
+                                    reasons, self.received, self.overflows, self.resyncs, groups)

@@ -30,6 +30,9 @@ MAX_PAYLOAD_BYTES = 4 << 20
 MAX_ARRAY_LEN = 1 << 20
 MAX_MAP_LEN = 1 << 10
 MAX_DP_RANK = 1023
+#: a spec kind longer than this is not one of vLLM's (ignored); a window outside [1, 2**30] too
+MAX_SPEC_KIND_CHARS = 64
+MAX_WINDOW = 1 << 30
 
 _brief = reprlib.Repr()
 _brief.maxlevel, _brief.maxstring, _brief.maxother, _brief.maxlist, _brief.maxdict = 3, 40, 40, 6, 4
@@ -46,6 +49,10 @@ class KvEvent:
     hashes: tuple[Hashable, ...] = ()
     medium: str | None = None
     group: int = 0
+    # the KV-cache spec of the group, as current releases' BlockStored events state it
+    # (``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``); None when not stated
+    spec_kind: str | None = None
+    spec_window: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,13 +95,26 @@ def _group(v: Any) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) else 0
 
 
+def _spec_kind(v: Any) -> str | None:
+    kind = _opt_str(v)
+    return kind if kind is not None and len(kind) <= MAX_SPEC_KIND_CHARS else None
+
+
+def _window(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_WINDOW else None
+
+
 def decode_event(raw: Any) -> KvEvent:
     """One event, array-tagged (0.10-0.12) or a map with "type" (current)."""
     if isinstance(raw, dict):
         kind = _opt_str(raw.get("type"))
         if kind is None:
             raise EventDecodeError(f"event map without a 'type' key: keys {sorted(map(str, raw))}")
-        if kind in ("BlockStored", "BlockRemoved"):
+        if kind == "BlockStored":
+            return KvEvent(kind, _hash_list(raw.get("block_hashes"), kind), _opt_str(raw.get("medium")),
+                           _group(raw.get("group_idx")), _spec_kind(raw.get("kv_cache_spec_kind")),
+                           _window(raw.get("kv_cache_spec_sliding_window")))  # fmt: skip
+        if kind == "BlockRemoved":
             return KvEvent(kind, _hash_list(raw.get("block_hashes"), kind), _opt_str(raw.get("medium")),
                            _group(raw.get("group_idx")))
         return KvEvent(kind, (), _opt_str(raw.get("medium")))

@@ -39,7 +39,7 @@ from kvledger.collect.sources.vllm.events_subscriber import KvEventSubscriber
 from kvledger.collect.sources.vllm.metrics import vllm_facts_from_metrics
 from kvledger.collect.sources.vllm.startup_log import VllmLogReader, memory_terms
 from kvledger.config.model import EngineConfig
-from kvledger.model.facts import EngineFacts
+from kvledger.model.facts import EngineFacts, KvGroupFacts, PoolFacts
 
 #: with a ledger, /metrics and the ledger each get the engine's timeout less this (at most
 #: half of it): the collector's deadline for the whole poll is that timeout, and merging the
@@ -183,7 +183,10 @@ class VllmSource(Source):
         self._events.ensure_ranks(ranks)
         snap = self._events.snapshot()
         pools = [
-            dataclasses.replace(p, cached_blocks=snap.cached_blocks.get(int(p.id)) if p.id.isdigit() else None)
+            _with_event_groups(
+                dataclasses.replace(p, cached_blocks=snap.cached_blocks.get(int(p.id)) if p.id.isdigit() else None),
+                snap.groups.get(int(p.id)) if p.id.isdigit() else None,
+            )
             for p in facts.pools
         ]
         return dataclasses.replace(facts, pools=pools, kv_events=dict(snap.events_by_type), kv_events_lost=snap.lost)
@@ -225,3 +228,29 @@ class VllmSource(Source):
         if self._events is not None:
             self._events.close()
             self._events = None
+
+
+#: a Mamba group's blocks per request as the stock path bounds them: vLLM's align mode (the
+#: mode prefix caching, and so KV events, runs Mamba in) keeps the running state, the last
+#: block-aligned one and a prefill checkpoint; speculative blocks are not counted
+STOCK_STATE_BLOCKS = 3
+
+
+def _with_event_groups(pool: PoolFacts, seen: dict[int, tuple[str | None, int | None]] | None) -> PoolFacts:
+    """A pool the in-engine ledger does not state, given the KV-cache groups its KV events
+    named (``group_idx``, ``kv_cache_spec_kind``): one group per index up to the largest
+    seen, a sliding window as its events say, a Mamba group its state blocks, every other
+    kind (and an index no event named yet) full attention, one block per token, the most
+    any attention group takes; the reservation bound then covers every group."""
+    if pool.groups or not seen or (max(seen) == 0 and seen[0][0] in (None, "full_attention", "mla_attention")):
+        return pool
+    groups = []
+    for idx in range(max(seen) + 1):
+        kind, window = seen.get(idx, (None, None))
+        if kind in ("sliding_window", "sliding_window_mla") and window is not None:
+            groups.append(KvGroupFacts(str(idx), "sliding_window", window=window))
+        elif kind == "mamba":
+            groups.append(KvGroupFacts(str(idx), "mamba", state_blocks=STOCK_STATE_BLOCKS))
+        else:
+            groups.append(KvGroupFacts(str(idx), "full_attention"))
+    return dataclasses.replace(pool, groups=tuple(groups), layer_groups=max(pool.layer_groups, len(groups)))

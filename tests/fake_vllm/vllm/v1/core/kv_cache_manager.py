@@ -1,4 +1,6 @@
-"""KVCacheManager and its coordinator (vllm/v1/core/kv_cache_manager.py), reduced to one group."""
+"""KVCacheManager and its coordinator (vllm/v1/core/kv_cache_manager.py), reduced: several
+groups share one pool as in vLLM's HybridKVCacheCoordinator, with prefix-cache hits only
+when the pool has one group."""
 
 from __future__ import annotations
 
@@ -6,8 +8,14 @@ from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
-from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SingleTypeKVCacheManager, SlidingWindowManager
-from vllm.v1.kv_cache_interface import KVCacheConfig, SlidingWindowSpec
+from vllm.v1.core.single_type_kv_cache_manager import (
+    ChunkedLocalAttentionManager,
+    FullAttentionManager,
+    MambaManager,
+    SingleTypeKVCacheManager,
+    SlidingWindowManager,
+)
+from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
 
 
 class KVCacheCoordinator:
@@ -16,7 +24,13 @@ class KVCacheCoordinator:
         managers: list[SingleTypeKVCacheManager] = []
         for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
             spec = group.kv_cache_spec
-            cls = SlidingWindowManager if isinstance(spec, SlidingWindowSpec) else FullAttentionManager
+            cls: type[SingleTypeKVCacheManager] = FullAttentionManager
+            if isinstance(spec, SlidingWindowSpec):
+                cls = SlidingWindowManager
+            elif isinstance(spec, ChunkedLocalAttentionSpec):
+                cls = ChunkedLocalAttentionManager
+            elif isinstance(spec, MambaSpec):
+                cls = MambaManager
             managers.append(cls(spec, block_pool, group_id, enable_caching))
         self.single_type_managers = tuple(managers)
 
@@ -34,7 +48,7 @@ class KVCacheManager:
         return self.block_pool.get_usage()
 
     def get_computed_blocks(self, request: Any) -> tuple[list[KVCacheBlock], int]:
-        if not self.enable_caching:
+        if not self.enable_caching or len(self.coordinator.single_type_managers) > 1:
             return [], 0
         # all tokens hit: the last one is recomputed for its logits
         blocks = self.coordinator.single_type_managers[0].find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)

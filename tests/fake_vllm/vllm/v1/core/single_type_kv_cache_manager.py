@@ -1,5 +1,7 @@
 """Per-group block bookkeeping (vllm/v1/core/single_type_kv_cache_manager.py), reduced:
-full attention, and a sliding window whose skipped blocks become the null block."""
+full attention, a sliding window and a local-attention chunk whose skipped blocks become the
+null block, and a Mamba group that keeps one state block per request (``align`` mode without
+prefix hits: a block table as long as the tokens, every entry null but the last state)."""
 
 from __future__ import annotations
 
@@ -105,3 +107,43 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_length: int) -> list[KVCacheBlock]:
         return []  # (vLLM finds null-padded hits in the window; the fake does not need them)
+
+
+class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
+    def __init__(self, kv_cache_spec: Any, block_pool: BlockPool, kv_cache_group_id: int, enable_caching: bool) -> None:
+        super().__init__(kv_cache_spec, block_pool, kv_cache_group_id, enable_caching)
+        self.attention_chunk_size: int = kv_cache_spec.attention_chunk_size
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return (num_computed_tokens // self.attention_chunk_size) * self.attention_chunk_size
+
+    def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_length: int) -> list[KVCacheBlock]:
+        return []
+
+
+class MambaManager(SingleTypeKVCacheManager):
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return num_computed_tokens - 1
+
+    def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_length: int) -> list[KVCacheBlock]:
+        return []
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks: list[KVCacheBlock]) -> int:
+        return 1 if cdiv(num_tokens, self.block_size) > len(self.req_to_blocks.get(request_id, ())) else 0
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        req_blocks = self.req_to_blocks[request_id]
+        num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
+        if num_new <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(1)
+        req_blocks.extend([self._null_block] * (num_new - 1) + new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: Any, num_tokens: int) -> None:
+        return  # states are not cached by the fake
+
+    def free(self, request_id: str) -> None:
+        blocks = self.req_to_blocks.pop(request_id, [])
+        self.num_cached_block.pop(request_id, None)
+        self.block_pool.free_blocks(b for b in reversed(blocks) if b is not self._null_block)
