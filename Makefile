@@ -94,12 +94,14 @@ alerts: $(STAMP)
 kubernetes: $(STAMP)
 	$(PY) deploy/kubernetes/generate.py
 
-# Re-vendor the prometheus-operator schemas (deploy/kubernetes/schemas) from the pinned PyPI
-# package, in a throwaway venv: the package installs a pytest plugin, so it stays out of .venv.
+# Re-vendor the prometheus-operator and KEDA schemas (deploy/kubernetes/schemas) from the pinned
+# PyPI packages, in a throwaway venv: the packages install a pytest plugin, so they stay out of .venv.
+# (cloudcoil-models-keda 2.16.1.0 is the newest that installs on Python 3.11; later ones need 3.14.)
 CRD_MODELS ?= cloudcoil-models-prometheus-operator==0.80.1.0
+CRD_MODELS_KEDA ?= cloudcoil-models-keda==2.16.1.0
 crd-schemas:
 	$(PYTHON) -m venv tests/_build/crd-venv
-	tests/_build/crd-venv/bin/pip install -q '$(CRD_MODELS)'
+	tests/_build/crd-venv/bin/pip install -q '$(CRD_MODELS)' '$(CRD_MODELS_KEDA)'
 	tests/_build/crd-venv/bin/python deploy/kubernetes/schemas/vendor.py
 
 # The container image built and run for real (tests/test_deploy_image.py): buildah builds the

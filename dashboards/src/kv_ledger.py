@@ -100,6 +100,64 @@ def _headroom_row(grid: p.Grid) -> None:
     )
 
 
+def _saturation_row(grid: p.Grid) -> None:
+    grid.row("Saturation: which limit binds (docs/autoscaling.md)")
+    # the engine's own constraints (sequences, token_budget) carry no pool: kept whatever $pool is
+    pool_or_engine = 'pool=~"$pool|"'
+    grid.add(
+        p.timeseries(
+            "Saturation by constraint",
+            "Each limit that can stop the engine admitting work, as a share of the limit: kv_quota (reserved / "
+            "capacity), kv_physical (in use / capacity, reclaimable counted as free), sequences (running / "
+            "max_num_seqs), token_budget (scheduled tokens per iteration / max_num_batched_tokens). Only exact "
+            "values and lower bounds (an upper bound does not show a limit is reached).",
+            [
+                q(
+                    sel("kvledger_saturation_ratio", INSTANCE, ENGINE, pool_or_engine, mon.PROVEN_BASIS),
+                    "{{engine}} {{constraint}} {{pool}} ({{basis}})",
+                )
+            ],
+            p.RATIO,
+            steps=(("green", None), ("orange", 0.8), ("red", 1.0)),
+            threshold_line=True,
+        ),
+        w=10,
+    )
+    grid.add(
+        p.timeseries(
+            "Binding constraint",
+            "Per engine, the saturation of the constraint that binds now (the largest ratio among those its "
+            "admission enforces), named in the legend; the autoscaling examples scale on its mean over a "
+            "deployment's replicas.",
+            [q(sel(mon.SATURATION_BINDING.record, INSTANCE, ENGINE), "{{engine}} bound by {{constraint}}")],
+            p.RATIO,
+            steps=(("green", None), ("orange", 0.8), ("red", 1.0)),
+            threshold_line=True,
+        ),
+        w=6,
+    )
+    grid.add(
+        p.timeseries(
+            "Waiting queue trend",
+            "How fast the waiting queue grows (requests per second, deriv over 2m; below 0 it drains). A growing "
+            "queue with one constraint at its limit is what KVLedgerBoundByOneConstraint reports.",
+            [q(sel(mon.QUEUE_TREND.record, INSTANCE, ENGINE), "{{engine}}")],
+            p.PER_SECOND,
+        ),
+        w=4,
+    )
+    grid.add(
+        p.timeseries(
+            "Recompute tax",
+            "Computed tokens thrown away by preemption per second, to be recomputed (from in-engine ledgers).",
+            [q(sum_by(labels("engine", "pool"), rate(sel("kvledger_preempted_tokens_total", *EP))), EPL)],
+            p.PER_SECOND,
+            axis="tokens/s",
+        ),
+        w=4,
+    )
+
+
 def _overcommit_row(grid: p.Grid) -> None:
     grid.row("Overcommit and preemptions")
     grid.add(
@@ -404,6 +462,7 @@ def dashboard() -> g.Dashboard:
     )
     _capacity_row(grid)
     _headroom_row(grid)
+    _saturation_row(grid)
     _overcommit_row(grid)
     _sharing_row(grid)
     _groups_row(grid)

@@ -115,6 +115,30 @@ def _admission_headroom(a: Accounts) -> Iterator[Sample]:
                 yield (e.name, p.pool, basis), float(v)
 
 
+def _saturation(a: Accounts) -> Iterator[Sample]:
+    for e in a.engines:
+        for p in e.pools:
+            for constraint, m in p.saturation.items():
+                for basis, v in m.series():
+                    yield (e.name, p.pool, constraint, basis), float(v)
+        for constraint, m in e.saturation.items():  # the engine's own budgets: no pool
+            for basis, v in m.series():
+                yield (e.name, "", constraint, basis), float(v)
+
+
+def _binding(a: Accounts) -> Iterator[Sample]:
+    for e in a.engines:
+        for constraint in sorted(e.binding_candidates):
+            yield (e.name, constraint), 1.0 if constraint == e.binding else 0.0
+
+
+def _preempted_tokens(a: Accounts) -> Iterator[Sample]:
+    for e in a.engines:
+        for facts in e.facts.pools:  # a counter the engine keeps: read as it reports it
+            if facts.preempted_tokens is not None:
+                yield (e.name, facts.id), float(facts.preempted_tokens)
+
+
 def _requests(a: Accounts) -> Iterator[Sample]:
     for e in a.engines:
         for state, n in e.requests.items():
@@ -386,10 +410,24 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("kvledger_admission_headroom_requests", "gauge", "requests", "scheduler", EPB,
                "More requests of the largest supported shape that fit under the quota and the work budget.",
                _admission_headroom),
+    MetricSpec("kvledger_saturation_ratio", "gauge", "ratio", "scheduler", ("engine", "pool", "constraint", "basis"),
+               "How close the engine is to each limit that stops it admitting work: constraint=kv_quota is reserved / "
+               "capacity, kv_physical in-use / capacity (reclaimable blocks count as free), sequences running / "
+               "max_num_seqs, token_budget scheduled tokens per iteration / max_num_batched_tokens (the engine's "
+               "recent iterations where it states them, else its latest). The engine's own constraints (sequences, "
+               "token_budget) carry no pool. Absent where an input is unknown.", _saturation),
+    MetricSpec("kvledger_saturation_binding", "gauge", "", "scheduler", ("engine", "constraint"),
+               "1 for the constraint that binds now, 0 for the others that took part: the largest saturation ratio "
+               "(exact or lower bound) among the constraints the engine's admission enforces (reserve-cap: kv_quota, "
+               "dynamic: kv_physical, both when unknown; sequences and token_budget always); ties go to kv_quota, "
+               "kv_physical, sequences, token_budget in that order.", _binding),
     MetricSpec("kvledger_extra_context_slots", "gauge", "", "scheduler", ("engine", "kind"),
                "Extra contexts of running requests: speculative lookahead slots and extra branches (n-1).", _slots),
     MetricSpec("kvledger_preemptions_total", "counter", "", "scheduler", ("engine",),
                "Preemptions reported by the engine.", _counter("preemptions")),
+    MetricSpec("kvledger_preempted_tokens_total", "counter", "tokens", "scheduler", EP,
+               "Computed tokens the engine threw away by preempting requests (to be recomputed): the recompute tax "
+               "of saturation. From in-engine ledgers; absent where the engine does not say.", _preempted_tokens),
     MetricSpec("kvledger_reservation_overflows_total", "counter", "", "scheduler", ("engine",),
                "Requests whose output exceeded an estimated bound.", _counter("reservation_overflows")),
     MetricSpec("kvledger_admission_rechecks_total", "counter", "", "scheduler", ("engine", "result"),
