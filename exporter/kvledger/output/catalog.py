@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from kvledger import __version__
+from kvledger import build_info
 from kvledger.model.accounts import Accounts, ConfigReload, EngineAccount, PoolAccount
 from kvledger.model.limits import MAX_DOCUMENT_AGE
 from kvledger.model.measure import Measure
@@ -272,7 +272,8 @@ def _config_reload(value: Callable[[ConfigReload], float]) -> Callable[[Accounts
 
 
 def _build_info(a: Accounts) -> Iterator[Sample]:
-    yield (__version__,), 1.0
+    b = build_info()
+    yield (b.version, b.revision, b.python_version), 1.0
 
 
 # ---------------------------------------------------------------- the catalogue
@@ -434,8 +435,9 @@ CATALOG: tuple[MetricSpec, ...] = (
                "overflow handling; tenant figures always use the per-request rule.", _policy_info),
     MetricSpec("kvledger_engine_info", "gauge", "", "info", ("engine", "kind", "version", "source"),
                "Engine identity (value 1).", _engine_info),
-    MetricSpec("kvledger_build_info", "gauge", "", "info", ("version",),
-               "kvledger build (value 1).", _build_info),
+    MetricSpec("kvledger_build_info", "gauge", "", "info", ("version", "revision", "python_version"),
+               "kvledger build (value 1): its version, the git revision it was built from (unknown when the build "
+               "had none) and the Python running it.", _build_info),
     MetricSpec("kvledger_config_last_reload_successful", "gauge", "", "health", (),
                "1 when the latest load of the configuration file (at start or on SIGHUP) succeeded; 0 when a "
                "reload failed and the daemon kept running the previous configuration.",
