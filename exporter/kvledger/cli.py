@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import TextIO
 
 from kvledger import __version__, version_text
 from kvledger.collect.collector import Collector
@@ -580,7 +581,7 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(dict(_log_fields(record)), ensure_ascii=False)
 
 
-class _KvledgerHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class _KvledgerHandler(logging.StreamHandler[TextIO]):
     """The handler ``configure_logging`` installs (and replaces when called again)."""
 
 
