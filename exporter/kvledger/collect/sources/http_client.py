@@ -518,6 +518,8 @@ class HttpClient:
         if length is not None and length.strip().isdigit() and size != int(length):
             raise SourceError("parse", f"{self.where}: body truncated after {size} of {int(length)} bytes")
         answer = Answer(200, b"".join(chunks), resp.getheader("ETag"), resp.getheader("Content-Type"), resp.getheader("Date"))
+        if not resp.isclosed() and resp.read(1):  # ends the answer (read1 leaves it open at length 0)
+            return answer, False  # more than the answer said: the connection is not clean
         return answer, keep and resp.isclosed()  # the whole answer read: the connection is free for the next GET
 
 
