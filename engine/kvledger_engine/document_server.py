@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import socketserver
 import threading
 from collections.abc import Callable
@@ -68,6 +69,12 @@ def etag_matches(if_none_match: str | None, etag: str) -> bool:
 class _Handler(BaseHTTPRequestHandler):
     server_version = "kvledger-ledger/1"
     protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        # headers and body go out in two writes: without TCP_NODELAY a kept-alive client
+        # would wait for Nagle's algorithm (the body held until the headers are acknowledged)
+        self.disable_nagle_algorithm = self.request.family in (socket.AF_INET, socket.AF_INET6)
+        super().setup()
 
     def do_GET(self) -> None:
         owner = cast(_Owned, self.server).owner  # both server classes below are _Owned

@@ -293,6 +293,25 @@ def _dropped(conn: http.client.HTTPConnection) -> bool:
     return bool(readable)
 
 
+_TCP_QUICKACK = getattr(socket, "TCP_QUICKACK", None)  # Linux
+
+
+def _quick_ack(conn: http.client.HTTPConnection) -> None:
+    """Acknowledge the answer's first segment at once. On a kept-alive connection an engine
+    that writes its headers and its body separately without TCP_NODELAY (Python's
+    http.server, among others) holds the body until the headers are acknowledged (Nagle),
+    and the kernel would delay that acknowledgement by up to 40 ms (delayed ACK): set after
+    the request is sent, the quick-ack mode covers the answer's first segments (Linux; a
+    no-op elsewhere and on Unix sockets)."""
+    sock = conn.sock
+    if _TCP_QUICKACK is None or sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, _TCP_QUICKACK, 1)
+    except OSError:
+        pass
+
+
 class HttpClient:
     """GETs one URL, bounded by ``timeout`` seconds in all, ``max_bytes`` of body and, for
     text, ``max_lines`` lines (by default ``default_max_lines(accept)``), presenting the
@@ -480,6 +499,7 @@ class HttpClient:
         """The answer, and whether the connection may serve the next GET."""
         try:
             conn.request("GET", self._target.path, headers=headers)
+            _quick_ack(conn)
             resp = conn.getresponse()
         except _STALE_ERRORS:
             if reused:
