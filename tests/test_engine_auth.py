@@ -334,3 +334,19 @@ def test_tls_files_are_loaded_again_when_they_change(tmp_path: Path, pki: Pki) -
             assert client.get() == engine.body
         finally:
             client.close()
+
+
+def test_the_readme_example_loads(tmp_path: Path, pki: Pki) -> None:
+    """The README's engine entry, with its files present, is a valid configuration."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Engines behind a token, basic auth or TLS", 1)[1]
+    block = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "token").write_text(TOKEN)
+    (tmp_path / "ca.pem").write_bytes(pki.ca.read_bytes())
+    (tmp_path / "client.pem").write_bytes(pki.client_cert.read_bytes())
+    (tmp_path / "client-key.pem").write_bytes(pki.client_key.read_bytes())
+    (tmp_path / "kvledger.yml").write_text(block)
+    (engine,) = load_config(str(tmp_path / "kvledger.yml")).engines
+    assert engine.authorization is not None and engine.authorization.credentials_file == str(tmp_path / "token")
+    assert engine.tls_config is not None and engine.tls_config.server_name == "llama.internal"
+    assert engine.tls_config.cert_file == str(tmp_path / "client.pem") and engine.basic_auth is None
