@@ -350,3 +350,22 @@ def test_the_readme_example_loads(tmp_path: Path, pki: Pki) -> None:
     assert engine.authorization is not None and engine.authorization.credentials_file == str(tmp_path / "token")
     assert engine.tls_config is not None and engine.tls_config.server_name == "llama.internal"
     assert engine.tls_config.cert_file == str(tmp_path / "client.pem") and engine.basic_auth is None
+
+
+def test_a_stopped_ledger_server_ends_its_kept_connections() -> None:
+    """The engine-side document server's stop() ends open connections too: a kept-alive
+    client is not answered by a server that stopped, it finds the engine gone."""
+    from kvledger_engine.document_server import serve_http
+
+    server = serve_http(lambda: {"schema": "kvledger/v1", "pools": [], "requests": []})
+    client = HttpClient(server.url, timeout=2, accept="application/json")
+    try:
+        assert b"kvledger/v1" in client.get()
+        assert client.connections == 1
+        server.stop()
+        with pytest.raises(SourceError) as info:
+            client.get()
+        assert info.value.reason == "connect"
+    finally:
+        client.close()
+        server.stop()
