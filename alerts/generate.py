@@ -155,7 +155,7 @@ ALERTS: tuple[Alert, ...] = (
         "(\n"
         "  kvledger_kv_resident_tokens{basis=~\"${basis}\"}\n"
         "    / on ($EP) group_left ()\n"
-        "  (kvledger_kv_token_capacity > 0)\n"
+        "  (kvledger_kv_capacity_tokens > 0)\n"
         ") > ${ratio}",
     ),
     Alert(
@@ -177,11 +177,11 @@ ALERTS: tuple[Alert, ...] = (
         "KVLedgerHostBufferNearLimit", "kvledger-resources", "warning",
         "An engine's host output buffer is close to its limit.",
         "Engine {{ $labels.engine }} host output buffer is at {{ $value | humanizePercentage }} of its "
-        "{{ if eq $labels.kind \"hard\" }}hard limit{{ else }}limit (kind={{ $labels.kind }}: an estimate, "
+        "{{ if eq $labels.limit \"hard\" }}hard limit{{ else }}limit (limit={{ $labels.limit }}: an estimate, "
         "not a cap){{ end }}.",
         "(\n"
         "  kvledger_host_buffer_bytes\n"
-        "    / on ($E) group_left (kind)\n"
+        "    / on ($E) group_left (limit)\n"
         "  (kvledger_host_buffer_limit_bytes > 0)\n"
         ") > ${ratio}",
     ),
@@ -189,11 +189,11 @@ ALERTS: tuple[Alert, ...] = (
         "KVLedgerNetworkQueueNearLimit", "kvledger-resources", "warning",
         "An engine's network queue is close to its limit.",
         "Engine {{ $labels.engine }} network queue is at {{ $value | humanizePercentage }} of its "
-        "{{ if eq $labels.kind \"hard\" }}hard limit{{ else }}limit (kind={{ $labels.kind }}: an estimate, "
+        "{{ if eq $labels.limit \"hard\" }}hard limit{{ else }}limit (limit={{ $labels.limit }}: an estimate, "
         "not a cap){{ end }}.",
         "(\n"
         "  kvledger_network_queue_depth\n"
-        "    / on ($E) group_left (kind)\n"
+        "    / on ($E) group_left (limit)\n"
         "  (kvledger_network_queue_limit > 0)\n"
         ") > ${ratio}",
     ),

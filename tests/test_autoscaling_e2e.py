@@ -179,7 +179,7 @@ def test_the_shipped_queries_scale_on_the_binding_constraint_not_the_usage_ratio
     keda, adapter = queries(prom)
     assert keda == adapter == 1.0  # running / max_num_seqs
     own_usage = prom.query_value(usage)
-    physical = prom.query_value(f'kvledger_kv_utilization_ratio{{engine="{ENGINE}",kind="physical"}}')
+    physical = prom.query_value(f'kvledger_kv_utilization_ratio{{engine="{ENGINE}",view="physical"}}')
     assert own_usage == physical == 0.32 and own_usage < threshold  # the usage ratio would not scale
     alert = prom.wait_for_alert("KVLedgerBoundByOneConstraint", state="firing", timeout=40)
     assert alert["labels"]["constraint"] == "sequences" and alert["labels"]["engine"] == ENGINE

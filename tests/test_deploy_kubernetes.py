@@ -24,7 +24,6 @@ import copy
 import json
 import subprocess
 import sys
-import tomllib
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvledger import __version__
 from kvledger.collect.engine_kinds import kind_specific_keys
 from kvledger.config.loader import config_from_mapping
 
@@ -264,7 +264,7 @@ def test_daemonset_sees_the_host() -> None:
 
 
 def test_images_and_users_match_the_dockerfile_and_the_package() -> None:
-    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    version = __version__  # the one place: kvledger/__init__.py (pyproject.toml reads it)
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "USER 65532:65532" in dockerfile
     for kind, name in (("DaemonSet", "kvledger"), ("Deployment", "vllm")):

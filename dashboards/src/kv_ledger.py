@@ -68,9 +68,9 @@ def _headroom_row(grid: p.Grid) -> None:
     grid.add(
         p.timeseries(
             "Quota headroom (capacity - reserved)",
-            "kind=quota: capacity minus reserved. Below zero the pool is overcommitted: admitted requests may "
+            "view=quota: capacity minus reserved. Below zero the pool is overcommitted: admitted requests may "
             "claim more than the pool holds.",
-            [q(sel("kvledger_kv_headroom_bytes", *EP, 'kind="quota"'), f"{EPL} quota ({{{{basis}}}})")],
+            [q(sel("kvledger_kv_headroom_bytes", *EP, 'view="quota"'), f"{EPL} quota ({{{{basis}}}})")],
             p.BYTES,
             steps=(("red", None), ("green", 0)),
             threshold_line=True,
@@ -80,9 +80,9 @@ def _headroom_row(grid: p.Grid) -> None:
     grid.add(
         p.timeseries(
             "Physical headroom (free + reclaimable)",
-            "kind=physical: free plus reclaimable unique blocks, memory a new allocation can get now. Not the "
+            "view=physical: free plus reclaimable unique blocks, memory a new allocation can get now. Not the "
             "quota headroom: a pool can have physical headroom while its quota is exhausted.",
-            [q(sel("kvledger_kv_headroom_bytes", *EP, 'kind="physical"'), f"{EPL} physical ({{{{basis}}}})")],
+            [q(sel("kvledger_kv_headroom_bytes", *EP, 'view="physical"'), f"{EPL} physical ({{{{basis}}}})")],
             p.BYTES,
         ),
         w=9,
@@ -314,10 +314,10 @@ def _tokens_row(grid: p.Grid) -> None:
             "The per-iteration budget (max_num_batched_tokens) bounds tokens computed per step, not the cache: "
             "a decode step adds one token per request while each keeps all its earlier tokens resident.",
             [
-                q(sel("kvledger_iteration_token_budget", INSTANCE, ENGINE), "{{engine}} iteration budget"),
+                q(sel("kvledger_iteration_budget_tokens", INSTANCE, ENGINE), "{{engine}} iteration budget"),
                 q(sel("kvledger_iteration_tokens", INSTANCE, ENGINE), "{{engine}} scheduled this iteration"),
                 q(sel("kvledger_kv_resident_tokens", *EP), f"{EPL} resident ({{{{basis}}}})"),
-                q(sel("kvledger_kv_token_capacity", *EP), f"{EPL} token capacity"),
+                q(sel("kvledger_kv_capacity_tokens", *EP), f"{EPL} token capacity"),
             ],
             p.COUNT,
             axis="tokens",
@@ -332,7 +332,7 @@ def _tokens_row(grid: p.Grid) -> None:
                 q(
                     ratio(
                         sel("kvledger_kv_resident_tokens", *EP),
-                        sel("kvledger_kv_token_capacity", *EP),
+                        sel("kvledger_kv_capacity_tokens", *EP),
                         "ignoring (basis) group_left",
                     ),
                     f"{EPL} ({{{{basis}}}})",
@@ -377,7 +377,7 @@ def _bounds_row(grid: p.Grid) -> None:
         p.timeseries(
             "Extra context slots",
             "Extra contexts of running requests: speculative lookahead slots and extra branches (n - 1).",
-            [q(sel("kvledger_extra_context_slots", INSTANCE, ENGINE), "{{engine}} {{kind}}")],
+            [q(sel("kvledger_extra_context_slots", INSTANCE, ENGINE), "{{engine}} {{purpose}}")],
             p.COUNT,
             axis="slots",
         ),

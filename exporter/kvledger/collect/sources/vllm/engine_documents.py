@@ -194,7 +194,7 @@ class LedgerReader:
         if reader is None:
             client = HttpClient(
                 self.url(rank), timeout=self.timeout, max_bytes=self.cfg.max_response_bytes,
-                accept="application/json",
+                accept="application/json", auth=self.cfg.client_auth,
             )  # fmt: skip
             reader = self._readers[rank] = DocumentReader(client, self.cfg.name)
         # one deadline for all ranks: a slow rank cannot stretch the read to ranks x timeout
