@@ -28,7 +28,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 
-from dashboards import live  # noqa: E402
+from dashboards import generate, live  # noqa: E402
 from dashboards.src.compat import iter_panels  # noqa: E402
 
 ROW_UNIT_IN = 0.42  # inches per grid row unit
@@ -166,7 +166,8 @@ def render(prom: live.PrometheusServer, dash: dict[str, Any], out: Path, window:
         ax = fig.add_axes((left + (0.03 if panel["type"] == "timeseries" else 0), top - height + pad * 0.7,
                            width - (0.03 if panel["type"] == "timeseries" else 0), height - pad))
         unit = panel["fieldConfig"]["defaults"]["unit"]
-        _style(ax, panel["title"], unit)
+        repeat = panel.get("repeat")  # one Grafana panel per value; here one panel, one group per value
+        _style(ax, panel["title"].replace(f"(${repeat})", f"(per {repeat})") if repeat else panel["title"], unit)
         targets = panel["targets"]
         if panel["type"] == "timeseries":
             series = []
@@ -201,16 +202,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=90.0, help="how long the demo runs before rendering")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "previews")
     args = parser.parse_args(argv)
+    if generate.check(generate.JSON_DIR):  # the PNGs must show what the generator writes now
+        print("dashboards/json is stale: run `make dashboards`, then `make previews`", file=sys.stderr)
+        return 1
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvledger-previews-") as tmp:
         workdir = Path(tmp)
         with live.run_live(workdir) as prom:
             print(f"collecting {args.seconds:.0f}s of demo data ...", flush=True)
             time.sleep(args.seconds)
-            for name, dash in live.load_dashboards().items():
+            dashboards = live.load_dashboards()
+            for name, dash in dashboards.items():
                 path = args.out / f"{name}.png"
                 render(prom, dash, path, args.seconds)
                 print(f"wrote {path}")
+    # which generator output the PNGs show (tests/test_dashboards.py fails when it is not the current one)
+    (args.out / generate.PREVIEW_STAMP.name).write_text(generate.preview_stamp())
+    print(f"wrote {args.out / generate.PREVIEW_STAMP.name}")
     return 0
 
 

@@ -144,7 +144,7 @@ def dashboard() -> g.Dashboard:
         "Per GPU: NVML total/used/free/driver reserved against the budget terms the engines declare "
         "(weights, workspace, runtime buffers, reserve, KV pool) and the memory nobody accounts for.",
         grid,
-        [p.instance_variable(), p.gpu_variable(), engine_on_gpu_variable()],
+        [p.gpu_variable(), engine_on_gpu_variable(), p.pool_variable()],
     )
 
 

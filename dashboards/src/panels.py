@@ -121,7 +121,15 @@ def timeseries(
     repeat: str | None = None,
 ) -> g.TimeSeries:
     """A time series panel. ``unstacked`` lists legend regexes drawn as lines over a stack;
-    ``repeat`` names a variable to repeat the panel over (one panel per value)."""
+    ``repeat`` names a variable to repeat the panel over (one panel per value).
+
+    A panel whose legend names ``{{engine}}`` draws one set of series per engine: it is repeated
+    by ``$engine`` (one panel per selected engine, stacked below each other, the engine in the
+    title), unless it is already repeated by another variable (per GPU)."""
+    if repeat is None and any("{{engine}}" in item.legend for item in queries):
+        repeat = "engine"
+    if repeat == "engine":
+        title = f"{title} ($engine)"
     overrides = [
         {
             "matcher": {"id": "byRegexp", "options": pattern},
@@ -148,8 +156,18 @@ def timeseries(
         thresholdsStyleMode="line" if threshold_line else "off",
         overrides=overrides,
         axisSoftMin=soft_min,
-        repeat=g.Repeat(direction="h", variable=repeat, maxPerRow=2) if repeat else g.Repeat(),
+        repeat=_repeat(repeat),
     )
+
+
+def _repeat(variable: str | None) -> g.Repeat:
+    """Per engine: copies below each other, each as wide as the panel (the panels beside it
+    keep their place); per GPU: side by side, two to a row."""
+    if variable is None:
+        return g.Repeat()
+    if variable == "engine":
+        return g.Repeat(direction="v", variable=variable)
+    return g.Repeat(direction="h", variable=variable, maxPerRow=2)
 
 
 def stat(
@@ -236,27 +254,41 @@ def query_variable(name: str, label: str, metric_selector: str, label_name: str)
     )
 
 
+#: Variables a dashboard may show with no value at all: a fleet without a `cluster` label (one
+#: Prometheus per cluster, or none set in external or target labels) gets only "All", whose
+#: regex `.*` also matches series without the label.
+OPTIONAL_VARIABLES = ("cluster",)
+
+
+def cluster_variable() -> g.Template:
+    return query_variable("cluster", "Cluster", "kvledger_build_info", "cluster")
+
+
+def job_variable() -> g.Template:
+    return query_variable("job", "Job", promql.sel("kvledger_build_info", promql.CLUSTER), "job")
+
+
 def instance_variable() -> g.Template:
-    return query_variable("instance", "Node", "kvledger_build_info", "instance")
+    return query_variable("instance", "Node", promql.sel("kvledger_build_info", promql.CLUSTER, promql.JOB), "instance")
 
 
 def engine_variable() -> g.Template:
-    return query_variable("engine", "Engine", promql.sel("kvledger_policy_info", promql.INSTANCE), "engine")
+    return query_variable("engine", "Engine", promql.sel("kvledger_policy_info", promql.TARGET), "engine")
 
 
 def pool_variable() -> g.Template:
     return query_variable(
-        "pool", "KV pool", promql.sel("kvledger_kv_capacity_bytes", promql.INSTANCE, promql.ENGINE), "pool"
+        "pool", "KV pool", promql.sel("kvledger_kv_capacity_bytes", promql.TARGET, promql.ENGINE), "pool"
     )
 
 
 def gpu_variable() -> g.Template:
-    return query_variable("gpu", "GPU", promql.sel("kvledger_gpu_up", promql.INSTANCE), "gpu")
+    return query_variable("gpu", "GPU", promql.sel("kvledger_gpu_up", promql.TARGET), "gpu")
 
 
 def tenant_variable() -> g.Template:
     return query_variable(
-        "tenant", "Tenant", promql.sel("kvledger_tenant_quota_bytes", promql.INSTANCE, promql.ENGINE), "tenant"
+        "tenant", "Tenant", promql.sel("kvledger_tenant_quota_bytes", promql.TARGET, promql.ENGINE), "tenant"
     )
 
 
@@ -298,14 +330,26 @@ def _with_pos(panel: g.Panel, pos: g.GridPos) -> g.Panel:
     return panel
 
 
+#: The fleet variables every dashboard has, in this order (each narrows the next one's values).
+FLEET_VARIABLES = ("cluster", "job", "instance", "engine", "pool")
+
+
 def dashboard(title: str, uid: str, description: str, grid: Grid, variables: Sequence[g.Template]) -> g.Dashboard:
+    """A dashboard with the datasource and target variables (cluster, job, instance) first, then
+    ``variables``: the engine and pool variables (every dashboard has them) and its own."""
+    names = [v.name for v in variables]
+    missing = [n for n in FLEET_VARIABLES[3:] if n not in names]
+    if missing:
+        raise ValueError(f"{title}: no {', '.join(missing)} variable")
     return g.Dashboard(
         title=title,
         uid=uid,
         description=description,
         tags=["kvledger"],
         panels=grid.panels,
-        templating=g.Templating(list=[datasource_variable(), *variables]),
+        templating=g.Templating(
+            list=[datasource_variable(), cluster_variable(), job_variable(), instance_variable(), *variables]
+        ),
         time=g.Time("now-30m", "now"),
         refresh="30s",
         timezone="browser",
