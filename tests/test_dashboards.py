@@ -448,6 +448,29 @@ def test_every_panel_query_returns_live_data(prometheus: Any, name: str, mode: s
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("name", sorted(DASHBOARDS))
+def test_no_time_series_panel_draws_several_engines_at_once(prometheus: Any, name: str) -> None:
+    """With every variable on All (as a dashboard opens), each drawn time series panel shows one
+    engine's series: a panel repeated by $engine is drawn once per engine (here: for each value
+    the engine variable offers), any other reads at most one engine (the demo runs several)."""
+    dash = DASHBOARDS[name]
+    values = live.all_values(dash)
+    engine_selector = next(sel for n, sel, _ in live.query_variables(dash) if n == "engine")
+    engines = prometheus.label_values(live.substitute(engine_selector, values), "engine")
+    assert len(engines) > 1, engines
+    crowded = []
+    for panel in iter_panels(dash["panels"]):
+        if panel["type"] != "timeseries" or panel.get("repeat") == "gpu":
+            continue
+        for engine in engines if panel.get("repeat") == "engine" else [values["engine"]]:
+            seen = {s["metric"].get("engine", "") for t in panel["targets"]
+                    for s in prometheus.query(live.substitute(t["expr"], {**values, "engine": engine}))}
+            if len(seen - {""}) > 1:
+                crowded.append(f"{panel['title']} (engine={engine}): {sorted(seen)}")
+    assert not crowded, "time series panels drawing several engines:\n" + "\n".join(crowded)
+
+
+@pytest.mark.e2e
 def test_recording_rules_carry_the_labels_the_fleet_dashboard_uses(prometheus: Any) -> None:
     assert {s["metric"].get("basis") for s in prometheus.query("kvledger:kv_reserved_bytes:sum")} >= {"exact"}
     overcommit = prometheus.query("kvledger:kv_overcommit:ratio")
