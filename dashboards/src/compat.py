@@ -1,7 +1,9 @@
 """Make grafanalib 0.7.1 output import cleanly into Grafana 10/11.
 
-grafanalib 0.7.1 writes JSON shaped for old Grafana in several places. Every fix is
-made here, once, on the final JSON of a dashboard, never panel by panel:
+grafanalib 0.7.1 writes JSON shaped for old Grafana in several places. Queries and
+template variables are not grafanalib objects (dashboards/src/panels.py writes them as
+Grafana 10/11 does); every other fix is made here, once, on the final JSON of a dashboard,
+never panel by panel:
 
 - ``schemaVersion`` 12 (Grafana 4): Grafana would run every migration since on
   import. We emit ``SCHEMA_VERSION`` and drop the pre-schema-14 keys (``rows``,
@@ -22,12 +24,6 @@ made here, once, on the final JSON of a dashboard, never panel by panel:
   ``mappings`` (mappings belong in ``fieldConfig.defaults``).
 - Panels carry row-era layout keys (``span``, ``height``, ``minSpan``, ``error``) and
   ``maxDataPoints: 100`` (coarse); removed so Grafana sizes queries by panel width.
-- Prometheus targets carry Graphite/legacy keys (``target``, ``metric``, ``query``,
-  ``step``) and ``intervalFactor: 2`` (halves the resolution); modern targets say
-  ``range``/``instant`` and ``editorMode``.
-- Template variables carry removed tag options (``useTags``, ``tagsQuery``,
-  ``tagValuesQuery``), interval-only ``auto*`` keys on every type, and a ``current``
-  of ``{"text": null}`` that the variable picker shows as "null".
 - TimeSeries writes ``stacking: {}`` when not stacked (Grafana's editor expects a
   mode) and Gauge omits ``fieldConfig.overrides``.
 - ``timepicker.time_options`` is gone since Grafana 7.
@@ -54,8 +50,6 @@ _LEGACY_DASHBOARD_KEYS = ("rows", "style", "hideControls", "sharedCrosshair", "g
 _ROW_KEYS_NOT_IN_SCHEMA = ("links", "transparent", "hideTimeOverride")
 _LEGACY_PANEL_KEYS = ("span", "height", "minSpan", "error", "editable", "maxDataPoints", "cacheTimeout")
 _NONE_PANEL_KEYS = ("repeat", "repeatDirection", "maxPerRow", "timeFrom", "timeShift", "interval", "description")
-_LEGACY_TARGET_KEYS = ("target", "metric", "query", "step", "intervalFactor")
-_LEGACY_TEMPLATE_KEYS = ("useTags", "tagsQuery", "tagValuesQuery", "auto", "auto_min", "auto_count")
 _REDUCING_PANELS = ("stat", "gauge", "bargauge")
 _NEUTRAL_STEP = {"color": "green", "value": None}
 
@@ -63,7 +57,7 @@ _NEUTRAL_STEP = {"color": "green", "value": None}
 DS_INPUT = "DS_PROMETHEUS"
 GRAFANA_VERSION = "10.4.0"  # the first release writing SCHEMA_VERSION 39
 _PANEL_NAMES = {"timeseries": "Time series", "stat": "Stat", "gauge": "Gauge", "table": "Table",
-                "bargauge": "Bar gauge", "text": "Text", "row": "Row"}
+                "bargauge": "Bar gauge", "text": "Text"}
 
 
 def to_grafana_json(dashboard: g.Dashboard) -> dict[str, Any]:
@@ -95,8 +89,6 @@ def modernize(data: dict[str, Any]) -> dict[str, Any]:
         _fix_panel(panel)
     if data.get("id") is None:
         data.pop("id", None)
-    for variable in data.get("templating", {}).get("list", []):
-        _fix_variable(variable)
     _add_import_sections(data)
     return data
 
@@ -163,8 +155,6 @@ def _fix_panel(panel: dict[str, Any]) -> None:
     if kind in _REDUCING_PANELS:
         reduce = options.setdefault("reduceOptions", {"values": False, "fields": ""})
         reduce["calcs"] = ["lastNotNull" if c == "mean" else c for c in reduce.get("calcs") or ["lastNotNull"]]
-    for target in panel.get("targets", []):
-        _fix_target(target, panel.get("datasource"))
 
 
 def _fix_thresholds(defaults: dict[str, Any]) -> None:
@@ -195,27 +185,3 @@ def _fix_gauge(
     defaults.pop("override", None)
     if defaults.get("title") is None:
         defaults.pop("title", None)
-
-
-def _fix_target(target: dict[str, Any], datasource: Any) -> None:
-    for key in _LEGACY_TARGET_KEYS:
-        target.pop(key, None)
-    if not target.get("interval"):
-        target.pop("interval", None)
-    instant = bool(target.get("instant"))
-    target["instant"] = instant
-    target["range"] = not instant
-    target["editorMode"] = "code"
-    if target.get("datasource") is None:
-        target["datasource"] = datasource
-
-
-def _fix_variable(variable: dict[str, Any]) -> None:
-    for key in _LEGACY_TEMPLATE_KEYS:
-        variable.pop(key, None)
-    current = variable.get("current") or {}
-    if current.get("text") is None:
-        variable["current"] = {}
-    for key in ("regex", "allValue", "label", "datasource"):
-        if variable.get(key) is None:
-            variable.pop(key, None)

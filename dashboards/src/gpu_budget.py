@@ -148,6 +148,6 @@ def dashboard() -> g.Dashboard:
     )
 
 
-def engine_on_gpu_variable() -> g.Template:
+def engine_on_gpu_variable() -> p.Variable:
     """Engines with budget terms on the selected GPUs (an engine on another GPU has no data here)."""
     return p.query_variable("engine", "Engine", sel("kvledger_gpu_budget_bytes", INSTANCE, GPU), "engine")
