@@ -326,6 +326,21 @@ def test_previews_were_rendered_from_the_current_generator() -> None:
     assert all((ROOT / "docs" / "previews" / f"{n}.png").exists() for n in DASHBOARDS)
 
 
+def test_preview_stamp_changes_with_any_generated_dashboard(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = generate.preview_stamp()
+    builder = generate.BUILDERS["host-network"]
+
+    def retitled() -> Any:
+        dash = builder()
+        dash.title += " (changed)"
+        return dash
+
+    monkeypatch.setitem(generate.BUILDERS, "host-network", retitled)
+    after = generate.preview_stamp()
+    changed = [a for a, b in zip(before.splitlines(), after.splitlines(), strict=True) if a != b]
+    assert len(changed) == 1 and changed[0].endswith("  dashboards/json/host-network.json"), changed
+
+
 # ---------------------------------------------------------------- queries
 
 
