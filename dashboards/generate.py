@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import hashlib
 import json
 import sys
 from collections.abc import Callable
@@ -43,6 +44,20 @@ def render(name: str) -> str:
 
 def render_all() -> dict[str, str]:
     return {f"{name}.json": render(name) for name in BUILDERS}
+
+
+PREVIEW_STAMP = ROOT / "docs" / "previews" / "dashboards.sha256"
+
+
+def preview_stamp() -> str:
+    """What `make previews` records beside the PNGs (docs/previews/dashboards.sha256): the SHA-256
+    of each generated dashboard's JSON, in ``sha256sum`` format. A test compares it with fresh
+    generation, so previews older than the generator fail (a PNG's mtime means nothing in a
+    checkout)."""
+    return "".join(
+        f"{hashlib.sha256(text.encode()).hexdigest()}  dashboards/json/{filename}\n"
+        for filename, text in sorted(render_all().items())
+    )
 
 
 def check(json_dir: Path) -> list[str]:

@@ -22,6 +22,7 @@ if str(ROOT / "tests") not in sys.path:
     sys.path.insert(0, str(ROOT / "tests"))  # the process harness shared with the test suite
 
 from dashboards.src.compat import iter_panels  # noqa: E402
+from dashboards.src.panels import OPTIONAL_VARIABLES  # noqa: E402
 from dashboards.src.promql import RECORDING_RULES  # noqa: E402
 from harness.httpjson import wait_until  # noqa: E402
 from harness.kvledger_daemon import run_demo  # noqa: E402
@@ -106,7 +107,11 @@ def concrete_values(
         if i == len(variables):
             return chosen if accept is None or accept(chosen) else None
         name, selector, label = variables[i]
-        for value in prom.label_values(substitute(selector, chosen), label):
+        found_values = prom.label_values(substitute(selector, chosen), label)
+        if not found_values and name in OPTIONAL_VARIABLES:
+            # no series has the label (the demo has no `cluster`): "All" is the only selection
+            found_values = [".*"]
+        for value in found_values:
             found = choose(i + 1, {**chosen, name: value})
             if found is not None:
                 return found

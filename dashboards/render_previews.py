@@ -6,7 +6,9 @@ second by a real Prometheus with the fleet recording rules, queried over the las
 Panels are laid out as in Grafana (24-column grid): time series as lines (stacked where the
 panel stacks), stats and gauges as their latest values, tables as label rows. Every panel
 shows its title and unit. Not a Grafana screenshot; a faithful sketch of what the queries
-return.
+return. A dashboard with panels repeated per engine is drawn with one engine selected
+(``preview_values``). Writes docs/previews/dashboards.sha256 last: the dashboards' JSON the
+PNGs show (a test fails when the generator has changed since).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 
-from dashboards import live  # noqa: E402
+from dashboards import generate, live  # noqa: E402
 from dashboards.src.compat import iter_panels  # noqa: E402
 
 ROW_UNIT_IN = 0.42  # inches per grid row unit
@@ -141,13 +143,36 @@ def draw_table(ax: Axes, panel: dict[str, Any], rows: list[dict[str, str]]) -> N
     table.scale(1, 1.1)
 
 
-def render(prom: live.PrometheusServer, dash: dict[str, Any], out: Path, window: float) -> None:
+def preview_values(prom: live.PrometheusServer, dash: dict[str, Any]) -> dict[str, str]:
+    """Every variable on All, except on a dashboard with panels repeated by $engine: there one
+    engine is selected (the one for which most of the repeated panels' queries have data), so each
+    repeated panel is drawn once, as Grafana draws it for that engine (under All Grafana draws one
+    copy per engine)."""
     values = live.all_values(dash)
+    repeated = [p for p in iter_panels(dash["panels"]) if p.get("repeat") == "engine"]
+    if not repeated:
+        return values
+    selector = next(sel for name, sel, _ in live.query_variables(dash) if name == "engine")
+    engines = prom.label_values(live.substitute(selector, values), "engine")
+    if not engines:
+        return values
+
+    def answered(engine: str) -> int:
+        chosen = {**values, "engine": engine}
+        return sum(bool(prom.query(live.substitute(t["expr"], chosen))) for p in repeated for t in p["targets"])
+
+    return {**values, "engine": max(engines, key=answered)}
+
+
+def render(prom: live.PrometheusServer, dash: dict[str, Any], out: Path, window: float) -> None:
+    values = preview_values(prom, dash)
     panels = list(iter_panels(dash["panels"]))
     height_units = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in panels)
     fig = plt.figure(figsize=(WIDTH_IN, height_units * ROW_UNIT_IN + 0.8))
     total_h = height_units + 2
-    fig.text(0.01, 1 - 0.6 / (total_h * ROW_UNIT_IN), dash["title"] + "   (live: kvledger demo via Prometheus)",
+    selected = f"engine {values['engine']}" if values.get("engine", ".*") != ".*" else "all engines"
+    fig.text(0.01, 1 - 0.6 / (total_h * ROW_UNIT_IN),
+             dash["title"] + f"   (live: kvledger demo via Prometheus; {selected})",
              fontsize=13, fontweight="bold", va="center")
     end = time.time()
     start = end - window
@@ -166,7 +191,7 @@ def render(prom: live.PrometheusServer, dash: dict[str, Any], out: Path, window:
         ax = fig.add_axes((left + (0.03 if panel["type"] == "timeseries" else 0), top - height + pad * 0.7,
                            width - (0.03 if panel["type"] == "timeseries" else 0), height - pad))
         unit = panel["fieldConfig"]["defaults"]["unit"]
-        _style(ax, panel["title"], unit)
+        _style(ax, live.substitute(panel["title"], values) if panel.get("repeat") == "engine" else panel["title"], unit)
         targets = panel["targets"]
         if panel["type"] == "timeseries":
             series = []
@@ -201,16 +226,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=90.0, help="how long the demo runs before rendering")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "previews")
     args = parser.parse_args(argv)
+    if generate.check(generate.JSON_DIR):  # the PNGs must show what the generator writes now
+        print("dashboards/json is stale: run `make dashboards`, then `make previews`", file=sys.stderr)
+        return 1
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvledger-previews-") as tmp:
         workdir = Path(tmp)
         with live.run_live(workdir) as prom:
             print(f"collecting {args.seconds:.0f}s of demo data ...", flush=True)
             time.sleep(args.seconds)
-            for name, dash in live.load_dashboards().items():
+            dashboards = live.load_dashboards()
+            for name, dash in dashboards.items():
                 path = args.out / f"{name}.png"
                 render(prom, dash, path, args.seconds)
                 print(f"wrote {path}")
+    # which generator output the PNGs show (tests/test_dashboards.py fails when it is not the current one)
+    (args.out / generate.PREVIEW_STAMP.name).write_text(generate.preview_stamp())
+    print(f"wrote {args.out / generate.PREVIEW_STAMP.name}")
     return 0
 
 

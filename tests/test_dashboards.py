@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:
 
 from dashboards import generate, live  # noqa: E402
 from dashboards.src.compat import iter_panels  # noqa: E402
-from dashboards.src.panels import CONSISTENCY_TOKEN, metrics_in  # noqa: E402
+from dashboards.src.panels import CONSISTENCY_TOKEN, FLEET_VARIABLES, metrics_in  # noqa: E402
 from dashboards.src.promql import RECORDING_RULES  # noqa: E402
 from kvledger.output.catalog import BY_NAME  # noqa: E402
 
@@ -47,7 +47,7 @@ LEDGER_DASHBOARDS = ("kv-ledger", "fleet")
 
 def parse(expr: str) -> Any:
     """Parse after substituting variables the way Grafana does (All -> .*, rate interval -> 1m)."""
-    return pp.parse(live.substitute(expr, {v: ".*" for v in ("instance", "engine", "pool", "gpu", "tenant")}))
+    return pp.parse(live.substitute(expr, {v: ".*" for v in ("cluster", "job", "instance", "engine", "pool", "gpu", "tenant")}))
 
 
 def selectors(node: Any) -> list[str]:
@@ -175,6 +175,172 @@ def test_ledger_dashboards_state_the_active_policy(name: str) -> None:
     assert any("kvledger_policy_info" in t["expr"] for p in panels for t in p["targets"])
 
 
+# ---------------------------------------------------------------- a fleet: variables, repeats, import
+
+
+@pytest.mark.parametrize("name", sorted(DASHBOARDS))
+def test_every_dashboard_has_the_fleet_variables_in_order(name: str) -> None:
+    variables = {v["name"]: v for v in DASHBOARDS[name]["templating"]["list"]}
+    order = [v["name"] for v in DASHBOARDS[name]["templating"]["list"]]
+    assert [n for n in order if n in FLEET_VARIABLES] == list(FLEET_VARIABLES)
+    for fleet_name in FLEET_VARIABLES:
+        var = variables[fleet_name]
+        assert var["type"] == "query" and var["includeAll"] and var["multi"] and var["allValue"] == ".*", var
+    chain = {n: sel for n, sel, _ in live.query_variables(DASHBOARDS[name])}
+    # each narrows the next: job by cluster, instance by cluster and job, engine and pool by the target
+    assert "$cluster" in chain["job"]
+    assert {"$cluster", "$job"} <= set(re.findall(r"\$\w+", chain["instance"]))
+    for later in ("engine", "pool"):
+        assert {"$cluster", "$job", "$instance"} <= set(re.findall(r"\$\w+", chain[later])), chain[later]
+
+
+@pytest.mark.parametrize("name,panel,target", QUERIES)
+def test_every_selector_is_narrowed_by_cluster_job_and_instance(
+    name: str, panel: dict[str, Any], target: dict[str, Any]
+) -> None:
+    """Every series a panel reads is selected by the target variables, so a cluster, job or node
+    choice narrows every panel (fleet-wide recording rules without those labels are not read)."""
+    missing: list[str] = []
+
+    def visit(n: Any) -> None:
+        if isinstance(n, pp.VectorSelector):
+            matched = {(m.name, m.value) for m in n.matchers.matchers}
+            for label in ("cluster", "job", "instance"):
+                if (label, f"${label}") not in matched:
+                    missing.append(f"{n.name} lacks {label}=~\"${label}\"")
+
+    # the variables stay literal `$name` text inside the matchers' strings (parseable as is)
+    pp.walk(pp.parse(target["expr"].replace("$__rate_interval", "1m")), visit)
+    assert not missing, missing
+
+
+def _legend_engines(panel: dict[str, Any]) -> bool:
+    return any("{{engine}}" in t.get("legendFormat", "") for t in panel["targets"])
+
+
+@pytest.mark.parametrize("name,panel", PANELS)
+def test_per_engine_time_series_are_repeated_by_engine(name: str, panel: dict[str, Any]) -> None:
+    """A time series drawing a set of series per engine is one panel per engine ($engine repeat),
+    not every engine's lines in one panel; a per-GPU repeat is the exception (the engines on a GPU)."""
+    if panel["type"] != "timeseries":
+        return
+    if panel.get("repeat") == "engine":
+        assert panel["repeatDirection"] == "v" and "$engine" in panel["title"]
+        for target in panel["targets"]:
+            # (`$engine|`: the node's own sources, without an engine, shown beside each engine's)
+            assert re.search(r'engine=~"\$engine\|?"', target["expr"]), target["expr"]
+    elif _legend_engines(panel):
+        assert panel.get("repeat") == "gpu", f"{panel['title']}: one line set per engine, not repeated"
+
+
+def test_some_panels_are_repeated_by_engine() -> None:
+    repeated = [p["title"] for d in DASHBOARDS.values() for p in iter_panels(d["panels"]) if p.get("repeat") == "engine"]
+    assert len(repeated) >= 20, repeated
+
+
+def _sdk_round_trip(dash: dict[str, Any]) -> dict[str, Any]:
+    """The dashboard loaded into the foundation SDK's model and serialized back."""
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.cog.plugins import register_default_plugins
+    from grafana_foundation_sdk.models.dashboard import Dashboard
+
+    register_default_plugins()
+    back: dict[str, Any] = json.loads(json.dumps(Dashboard.from_json(json.loads(json.dumps(dash))), cls=JSONEncoder))
+    return back
+
+
+# The export envelope: Grafana's import form reads and removes them; no dashboard model has them.
+IMPORT_ONLY = ("__inputs", "__requires")
+
+
+def _lost(ours: Any, sdk: Any, path: str = "") -> list[str]:
+    """What the SDK dropped or changed, field by field (what it adds are its defaults: allowed)."""
+    if isinstance(ours, dict):
+        if not isinstance(sdk, dict):
+            return [f"{path}: {type(ours).__name__} became {type(sdk).__name__}"]
+        out = []
+        for key, value in ours.items():
+            if not path and key in IMPORT_ONLY:
+                continue
+            out += [f"{path}/{key}: dropped"] if key not in sdk else _lost(value, sdk[key], f"{path}/{key}")
+        return out
+    if isinstance(ours, list):
+        if not isinstance(sdk, list) or len(sdk) != len(ours):
+            return [f"{path}: list of {len(ours)} became {sdk!r:.80}"]
+        return [line for i, (a, b) in enumerate(zip(ours, sdk, strict=True)) for line in _lost(a, b, f"{path}/{i}")]
+    return [] if ours == sdk and type(ours) is type(sdk) else [f"{path}: {ours!r:.60} became {sdk!r:.60}"]
+
+
+@pytest.mark.parametrize("name", sorted(DASHBOARDS))
+def test_dashboard_loads_in_the_grafana_foundation_sdk_without_loss(name: str) -> None:
+    dash = DASHBOARDS[name]
+    lost = _lost(dash, _sdk_round_trip(dash))
+    assert not lost, "the foundation SDK drops or changes:\n" + "\n".join(lost)
+
+
+def test_sdk_check_fails_on_a_dropped_or_renamed_field() -> None:
+    """Fields the schema does not know, at every level, are reported: what grafanalib's raw
+    output had (a query variable's `definition`), and misspellings of real fields. (The SDK
+    checks names, not values: an unknown enum value passes through unchanged.)"""
+    dash = json.loads(json.dumps(DASHBOARDS["kv-ledger"]))
+    dash["templating"]["list"][1]["definition"] = "label_values(kvledger_build_info, cluster)"
+    panel = next(p for p in dash["panels"] if p["type"] == "timeseries")
+    panel["descripton"] = panel["description"]
+    panel["targets"][0]["legend"] = panel["targets"][0].pop("legendFormat")
+    panel["options"]["legend"]["displaymode"] = "table"
+    panel["fieldConfig"]["defaults"]["custom"]["fillopacity"] = 10
+    lost = _lost(dash, _sdk_round_trip(dash))
+    for field in ("templating/list/1/definition", "descripton", "targets/0/legend", "legend/displaymode",
+                  "custom/fillopacity"):
+        assert any(line.endswith(f"/{field}: dropped") for line in lost), (field, lost)
+    assert len(lost) == 5, lost
+
+
+@pytest.mark.parametrize("name", sorted(DASHBOARDS))
+def test_dashboard_imports_like_a_grafana_com_export(name: str) -> None:
+    dash = DASHBOARDS[name]
+    assert [(i["name"], i["type"], i["pluginId"]) for i in dash["__inputs"]] == [
+        ("DS_PROMETHEUS", "datasource", "prometheus")]
+    requires = {(r["type"], r["id"]) for r in dash["__requires"]}
+    kinds = {p["type"] for p in iter_panels(dash["panels"]) if p["type"] != "row"}
+    assert requires == {("grafana", "grafana"), ("datasource", "prometheus")} | {("panel", k) for k in kinds}
+    assert "id" not in dash
+    # The import form replaces ${DS_PROMETHEUS} with the chosen data source's uid: the datasource
+    # variable opens on it, every panel keeps reading $datasource.
+    text = json.dumps(dash)
+    imported = json.loads(text.replace("${DS_PROMETHEUS}", "P1809F7CD0C75ACF3"))
+    changed = [k for k in imported if k not in IMPORT_ONLY and imported[k] != dash[k]]
+    assert changed == ["templating"], changed
+    ds_var = imported["templating"]["list"][0]
+    assert ds_var["type"] == "datasource" and ds_var["current"]["value"] == "P1809F7CD0C75ACF3"
+    assert imported["templating"]["list"][1:] == dash["templating"]["list"][1:]
+
+
+def test_previews_were_rendered_from_the_current_generator() -> None:
+    """`make previews` records the SHA-256 of the JSON it rendered (docs/previews/dashboards.sha256)."""
+    stamp = generate.PREVIEW_STAMP
+    assert stamp.exists(), "no docs/previews/dashboards.sha256: run `make previews`"
+    assert stamp.read_text() == generate.preview_stamp(), (
+        "docs/previews are older than the dashboard generator: run `make dashboards previews`"
+    )
+    assert all((ROOT / "docs" / "previews" / f"{n}.png").exists() for n in DASHBOARDS)
+
+
+def test_preview_stamp_changes_with_any_generated_dashboard(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = generate.preview_stamp()
+    builder = generate.BUILDERS["host-network"]
+
+    def retitled() -> Any:
+        dash = builder()
+        dash.title += " (changed)"
+        return dash
+
+    monkeypatch.setitem(generate.BUILDERS, "host-network", retitled)
+    after = generate.preview_stamp()
+    changed = [a for a, b in zip(before.splitlines(), after.splitlines(), strict=True) if a != b]
+    assert len(changed) == 1 and changed[0].endswith("  dashboards/json/host-network.json"), changed
+
+
 # ---------------------------------------------------------------- queries
 
 
@@ -294,6 +460,29 @@ def test_every_panel_query_returns_live_data(prometheus: Any, name: str, mode: s
                 except live.LiveError:
                     empty.append(f"{panel['title']}: {target['expr']}")
     assert not empty, "panels without data:\n" + "\n".join(empty)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", sorted(DASHBOARDS))
+def test_no_time_series_panel_draws_several_engines_at_once(prometheus: Any, name: str) -> None:
+    """With every variable on All (as a dashboard opens), each drawn time series panel shows one
+    engine's series: a panel repeated by $engine is drawn once per engine (here: for each value
+    the engine variable offers), any other reads at most one engine (the demo runs several)."""
+    dash = DASHBOARDS[name]
+    values = live.all_values(dash)
+    engine_selector = next(sel for n, sel, _ in live.query_variables(dash) if n == "engine")
+    engines = prometheus.label_values(live.substitute(engine_selector, values), "engine")
+    assert len(engines) > 1, engines
+    crowded = []
+    for panel in iter_panels(dash["panels"]):
+        if panel["type"] != "timeseries" or panel.get("repeat") == "gpu":
+            continue
+        for engine in engines if panel.get("repeat") == "engine" else [values["engine"]]:
+            seen = {s["metric"].get("engine", "") for t in panel["targets"]
+                    for s in prometheus.query(live.substitute(t["expr"], {**values, "engine": engine}))}
+            if len(seen - {""}) > 1:
+                crowded.append(f"{panel['title']} (engine={engine}): {sorted(seen)}")
+    assert not crowded, "time series panels drawing several engines:\n" + "\n".join(crowded)
 
 
 @pytest.mark.e2e

@@ -1,11 +1,14 @@
 """Make grafanalib 0.7.1 output import cleanly into Grafana 10/11.
 
-grafanalib 0.7.1 writes JSON shaped for old Grafana in several places. Every fix is
-made here, once, on the final JSON of a dashboard, never panel by panel:
+grafanalib 0.7.1 writes JSON shaped for old Grafana in several places. Queries and
+template variables are not grafanalib objects (dashboards/src/panels.py writes them as
+Grafana 10/11 does); every other fix is made here, once, on the final JSON of a dashboard,
+never panel by panel:
 
 - ``schemaVersion`` 12 (Grafana 4): Grafana would run every migration since on
   import. We emit ``SCHEMA_VERSION`` and drop the pre-schema-14 keys (``rows``,
-  ``style``, ``hideControls``, ``sharedCrosshair``, ``__inputs``, ``gnetId``).
+  ``style``, ``hideControls``, ``sharedCrosshair``, ``gnetId``) and the null ``id`` (a
+  dashboard to import has none).
 - Threshold steps carry ``"value": "null"`` (a string) for the base step plus the old
   Graph-panel keys (``op``, ``yaxis``, ``line``, ``index``); Grafana expects
   ``{"color", "value": null}``. A panel without steps gets a neutral base step.
@@ -21,16 +24,17 @@ made here, once, on the final JSON of a dashboard, never panel by panel:
   ``mappings`` (mappings belong in ``fieldConfig.defaults``).
 - Panels carry row-era layout keys (``span``, ``height``, ``minSpan``, ``error``) and
   ``maxDataPoints: 100`` (coarse); removed so Grafana sizes queries by panel width.
-- Prometheus targets carry Graphite/legacy keys (``target``, ``metric``, ``query``,
-  ``step``) and ``intervalFactor: 2`` (halves the resolution); modern targets say
-  ``range``/``instant`` and ``editorMode``.
-- Template variables carry removed tag options (``useTags``, ``tagsQuery``,
-  ``tagValuesQuery``), interval-only ``auto*`` keys on every type, and a ``current``
-  of ``{"text": null}`` that the variable picker shows as "null"; query variables
-  get the ``definition`` the Prometheus variable editor displays.
 - TimeSeries writes ``stacking: {}`` when not stacked (Grafana's editor expects a
   mode) and Gauge omits ``fieldConfig.overrides``.
 - ``timepicker.time_options`` is gone since Grafana 7.
+- Row panels carry ``links``, ``transparent`` and ``hideTimeOverride``, which a row has not
+  (Grafana's dashboard schema, hence the foundation SDK, drops them).
+
+And one addition for import by file or from grafana.com (Dashboards > New > Import): the
+``__inputs`` (one Prometheus data source, ``DS_PROMETHEUS``, which the import form asks for and
+the datasource variable opens on; every panel still reads the ``$datasource`` variable) and the
+``__requires`` (Grafana, the Prometheus data source and every panel type used), as Grafana's
+"Export for sharing externally" writes them.
 """
 
 from __future__ import annotations
@@ -42,13 +46,18 @@ from grafanalib import core as g
 
 SCHEMA_VERSION = 39
 
-_LEGACY_DASHBOARD_KEYS = ("rows", "style", "hideControls", "sharedCrosshair", "__inputs", "gnetId")
+_LEGACY_DASHBOARD_KEYS = ("rows", "style", "hideControls", "sharedCrosshair", "gnetId")
+_ROW_KEYS_NOT_IN_SCHEMA = ("links", "transparent", "hideTimeOverride")
 _LEGACY_PANEL_KEYS = ("span", "height", "minSpan", "error", "editable", "maxDataPoints", "cacheTimeout")
 _NONE_PANEL_KEYS = ("repeat", "repeatDirection", "maxPerRow", "timeFrom", "timeShift", "interval", "description")
-_LEGACY_TARGET_KEYS = ("target", "metric", "query", "step", "intervalFactor")
-_LEGACY_TEMPLATE_KEYS = ("useTags", "tagsQuery", "tagValuesQuery", "auto", "auto_min", "auto_count")
 _REDUCING_PANELS = ("stat", "gauge", "bargauge")
 _NEUTRAL_STEP = {"color": "green", "value": None}
+
+# What the import form asks for, and what the dashboard needs (Grafana's export format).
+DS_INPUT = "DS_PROMETHEUS"
+GRAFANA_VERSION = "10.4.0"  # the first release writing SCHEMA_VERSION 39
+_PANEL_NAMES = {"timeseries": "Time series", "stat": "Stat", "gauge": "Gauge", "table": "Table",
+                "bargauge": "Bar gauge", "text": "Text"}
 
 
 def to_grafana_json(dashboard: g.Dashboard) -> dict[str, Any]:
@@ -78,9 +87,26 @@ def modernize(data: dict[str, Any]) -> dict[str, Any]:
         picker.pop("nowDelay", None)
     for panel in iter_panels(data.get("panels", [])):
         _fix_panel(panel)
-    for variable in data.get("templating", {}).get("list", []):
-        _fix_variable(variable)
+    if data.get("id") is None:
+        data.pop("id", None)
+    _add_import_sections(data)
     return data
+
+
+def _add_import_sections(data: dict[str, Any]) -> None:
+    """``__inputs`` and ``__requires`` (see the module docstring)."""
+    data["__inputs"] = [{"name": DS_INPUT, "label": "Prometheus", "description": "The Prometheus scraping kvledger",
+                         "type": "datasource", "pluginId": "prometheus", "pluginName": "Prometheus"}]
+    kinds = sorted({panel["type"] for panel in iter_panels(data.get("panels", [])) if panel["type"] != "row"})
+    data["__requires"] = [
+        {"type": "grafana", "id": "grafana", "name": "Grafana", "version": GRAFANA_VERSION},
+        {"type": "datasource", "id": "prometheus", "name": "Prometheus", "version": "1.0.0"},
+        *({"type": "panel", "id": kind, "name": _PANEL_NAMES[kind], "version": ""} for kind in kinds),
+    ]
+    for variable in data.get("templating", {}).get("list", []):
+        if variable.get("type") == "datasource":
+            placeholder = "${" + DS_INPUT + "}"
+            variable["current"] = {"selected": False, "text": placeholder, "value": placeholder}
 
 
 def iter_panels(panels: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
@@ -101,7 +127,7 @@ def _fix_panel(panel: dict[str, Any]) -> None:
     defaults = field_config.setdefault("defaults", {})
     options = panel.setdefault("options", {})
     if kind == "row":
-        for key in ("fieldConfig", "options", "transformations", "targets"):
+        for key in ("fieldConfig", "options", "transformations", "targets", *_ROW_KEYS_NOT_IN_SCHEMA):
             panel.pop(key, None)
         if panel.get("datasource") is None:
             panel.pop("datasource", None)
@@ -129,8 +155,6 @@ def _fix_panel(panel: dict[str, Any]) -> None:
     if kind in _REDUCING_PANELS:
         reduce = options.setdefault("reduceOptions", {"values": False, "fields": ""})
         reduce["calcs"] = ["lastNotNull" if c == "mean" else c for c in reduce.get("calcs") or ["lastNotNull"]]
-    for target in panel.get("targets", []):
-        _fix_target(target, panel.get("datasource"))
 
 
 def _fix_thresholds(defaults: dict[str, Any]) -> None:
@@ -161,29 +185,3 @@ def _fix_gauge(
     defaults.pop("override", None)
     if defaults.get("title") is None:
         defaults.pop("title", None)
-
-
-def _fix_target(target: dict[str, Any], datasource: Any) -> None:
-    for key in _LEGACY_TARGET_KEYS:
-        target.pop(key, None)
-    if not target.get("interval"):
-        target.pop("interval", None)
-    instant = bool(target.get("instant"))
-    target["instant"] = instant
-    target["range"] = not instant
-    target["editorMode"] = "code"
-    if target.get("datasource") is None:
-        target["datasource"] = datasource
-
-
-def _fix_variable(variable: dict[str, Any]) -> None:
-    for key in _LEGACY_TEMPLATE_KEYS:
-        variable.pop(key, None)
-    current = variable.get("current") or {}
-    if current.get("text") is None:
-        variable["current"] = {}
-    if variable.get("type") == "query":
-        variable["definition"] = variable["query"]
-    for key in ("regex", "allValue", "label", "datasource"):
-        if variable.get(key) is None:
-            variable.pop(key, None)

@@ -143,5 +143,5 @@ def dashboard() -> g.Dashboard:
         "Is kvledger itself healthy: sources up, poll errors, durations and staleness, KV event flow and "
         "loss, and accounting invariant violations.",
         grid,
-        [p.instance_variable(), p.engine_variable()],
+        [p.engine_variable(), p.pool_variable()],
     )

@@ -1,4 +1,9 @@
-"""Fleet overview across nodes, from the recording rules (monitoring/config.py defines them)."""
+"""Fleet overview across nodes: sums over the nodes, engines and pools the variables select.
+
+The fleet-wide recording rules of monitoring/config.py sum everything one Prometheus holds (the
+alerts read them); a dashboard narrowed to one cluster, job or engine sums the raw series under
+its variables instead. The per-pool overcommit ratio keeps its labels, so its recording rule is
+read here, filtered."""
 
 from __future__ import annotations
 
@@ -6,11 +11,22 @@ from grafanalib import core as g
 
 from dashboards.src import panels as p
 from dashboards.src.panels import q
-from dashboards.src.promql import ratio, sel
+from dashboards.src.promql import ENGINE, POOL, TARGET, ratio, sel
 from monitoring import config as mon
 
 UID = "kvledger-fleet"
 TITLE = "kvledger / Fleet overview"
+
+# KV figures: the selected nodes' selected engines and pools; GPU figures: the selected nodes.
+KV = (TARGET, ENGINE, POOL)
+
+
+def _kv(name: str, by: str = "") -> str:
+    return f"sum by ({by}) ({sel(name, *KV)})" if by else f"sum({sel(name, *KV)})"
+
+
+def _gpu(name: str, by: str = "") -> str:
+    return f"sum by ({by}) ({sel(name, TARGET)})" if by else f"sum({sel(name, TARGET)})"
 
 
 def dashboard() -> g.Dashboard:
@@ -19,7 +35,7 @@ def dashboard() -> g.Dashboard:
         p.stat(
             "Fleet KV capacity",
             "KV capacity summed over every pool of every engine on every node.",
-            [q(sel(mon.KV_CAPACITY.record), "capacity")],
+            [q(_kv("kvledger_kv_capacity_bytes"), "capacity")],
             p.BYTES,
         ),
         w=6,
@@ -31,7 +47,7 @@ def dashboard() -> g.Dashboard:
             "Fleet-wide reserved bytes over fleet-wide capacity, per basis.",
             [
                 q(
-                    ratio(sel(mon.KV_RESERVED.record), sel(mon.KV_CAPACITY.record),
+                    ratio(_kv("kvledger_kv_reserved_bytes", "basis"), _kv("kvledger_kv_capacity_bytes"),
                           "on () group_left"),
                     "{{basis}}",
                 )
@@ -46,7 +62,7 @@ def dashboard() -> g.Dashboard:
         p.stat(
             "Fleet GPU memory used / total",
             "NVML used over NVML total, summed over every GPU of the fleet.",
-            [q(ratio(sel(mon.GPU_USED.record), sel(mon.GPU_TOTAL.record)), "used")],
+            [q(ratio(_gpu("kvledger_gpu_memory_used_bytes"), _gpu("kvledger_gpu_memory_total_bytes")), "used")],
             p.RATIO,
             steps=(("green", None), ("orange", 0.9), ("red", 0.97)),
         ),
@@ -57,7 +73,7 @@ def dashboard() -> g.Dashboard:
         p.stat(
             "Fleet unaccounted GPU memory",
             "GPU memory no engine declared, summed over the fleet, per basis.",
-            [q(sel(mon.GPU_UNACCOUNTED.record), "{{basis}}")],
+            [q(_gpu("kvledger_gpu_memory_unaccounted_bytes", "basis"), "{{basis}}")],
             p.BYTES,
         ),
         w=6,
@@ -70,9 +86,9 @@ def dashboard() -> g.Dashboard:
             "Fleet sums: capacity, reserved (what admitted requests may claim) and allocated (physically "
             "holding data), by basis.",
             [
-                q(sel(mon.KV_CAPACITY.record), "capacity"),
-                q(sel(mon.KV_RESERVED.record), "reserved ({{basis}})"),
-                q(sel(mon.KV_ALLOCATED.record), "allocated ({{basis}})"),
+                q(_kv("kvledger_kv_capacity_bytes"), "capacity"),
+                q(_kv("kvledger_kv_reserved_bytes", "basis"), "reserved ({{basis}})"),
+                q(_kv("kvledger_kv_allocated_bytes", "basis"), "allocated ({{basis}})"),
             ],
             p.BYTES,
         ),
@@ -83,7 +99,7 @@ def dashboard() -> g.Dashboard:
         p.table(
             "Most overcommitted pools",
             "The ten pools with the highest reserved / capacity ratio, by engine, pool and basis.",
-            [q("topk(10, " + sel(mon.KV_OVERCOMMIT.record) + ")", table=True)],
+            [q("topk(10, " + sel(mon.KV_OVERCOMMIT.record, *KV) + ")", table=True)],
             p.RATIO,
             hide=("Time", "__name__"),
             hide_value=False,
@@ -97,8 +113,8 @@ def dashboard() -> g.Dashboard:
             "Fleet GPU memory: used vs total",
             "NVML used and total memory summed over every GPU of the fleet.",
             [
-                q(sel(mon.GPU_TOTAL.record), "total"),
-                q(sel(mon.GPU_USED.record), "used"),
+                q(_gpu("kvledger_gpu_memory_total_bytes"), "total"),
+                q(_gpu("kvledger_gpu_memory_used_bytes"), "used"),
             ],
             p.BYTES,
         ),
@@ -108,7 +124,7 @@ def dashboard() -> g.Dashboard:
         p.timeseries(
             "Fleet unaccounted GPU memory",
             "GPU memory no engine declared, summed over the fleet, per basis.",
-            [q(sel(mon.GPU_UNACCOUNTED.record), "{{basis}}")],
+            [q(_gpu("kvledger_gpu_memory_unaccounted_bytes", "basis"), "{{basis}}")],
             p.BYTES,
         ),
         w=12,
@@ -119,7 +135,7 @@ def dashboard() -> g.Dashboard:
             "Policies in the fleet",
             "How many engines run each declared accounting policy (sharing rule, admission, overflow, tenant "
             "rule).",
-            [q("count by (sharing, admission, overflow, tenant_rule) (" + sel("kvledger_policy_info") + ")",
+            [q("count by (sharing, admission, overflow, tenant_rule) (" + sel("kvledger_policy_info", TARGET, ENGINE) + ")",
                table=True)],
             p.COUNT,
             hide=("Time",),
@@ -131,7 +147,7 @@ def dashboard() -> g.Dashboard:
         p.table(
             "Nodes",
             "Every node running kvledger with its version.",
-            [q(sel("kvledger_build_info"), table=True)],
+            [q(sel("kvledger_build_info", TARGET), table=True)],
             hide=("Time", "__name__"),
         ),
         w=12,
@@ -140,7 +156,7 @@ def dashboard() -> g.Dashboard:
         TITLE,
         UID,
         "KV memory and GPU memory summed across every node, the most overcommitted pools and the policies "
-        "in force, from the kvledger recording rules.",
+        "in force, over the nodes, engines and pools the variables select.",
         grid,
-        [],
+        [p.engine_variable(), p.pool_variable()],
     )

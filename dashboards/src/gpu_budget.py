@@ -144,10 +144,10 @@ def dashboard() -> g.Dashboard:
         "Per GPU: NVML total/used/free/driver reserved against the budget terms the engines declare "
         "(weights, workspace, runtime buffers, reserve, KV pool) and the memory nobody accounts for.",
         grid,
-        [p.instance_variable(), p.gpu_variable(), engine_on_gpu_variable()],
+        [p.gpu_variable(), engine_on_gpu_variable(), p.pool_variable()],
     )
 
 
-def engine_on_gpu_variable() -> g.Template:
+def engine_on_gpu_variable() -> p.Variable:
     """Engines with budget terms on the selected GPUs (an engine on another GPU has no data here)."""
     return p.query_variable("engine", "Engine", sel("kvledger_gpu_budget_bytes", INSTANCE, GPU), "engine")

@@ -101,5 +101,5 @@ def dashboard() -> g.Dashboard:
         "Host output buffers, application network queues and kernel socket queues of each engine, against "
         "their limits (hard cap or estimate). A separate memory domain from the GPU.",
         grid,
-        [p.instance_variable(), p.engine_variable()],
+        [p.engine_variable(), p.pool_variable()],
     )

@@ -475,5 +475,5 @@ def dashboard() -> g.Dashboard:
         "KV cache accounting per engine under one declared policy: reservations vs physical blocks, quota vs "
         "physical headroom, overcommit, prefix sharing, token budgets, output bounds and tenant quotas.",
         grid,
-        [p.instance_variable(), p.engine_variable(), p.pool_variable(), p.tenant_variable()],
+        [p.engine_variable(), p.pool_variable(), p.tenant_variable()],
     )

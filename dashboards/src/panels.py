@@ -58,16 +58,20 @@ def q(expr: str, legend: str = "", *, instant: bool = False, table: bool = False
     return Query(expr, legend, instant or table, table)
 
 
-def _targets(queries: Sequence[Query]) -> list[g.Target]:
+def _targets(queries: Sequence[Query]) -> list[dict[str, Any]]:
+    """Prometheus queries as Grafana 10/11 writes them (grafanalib's Target carries legacy keys)."""
     return [
-        g.Target(
-            expr=item.expr,
-            legendFormat=item.legend,
-            refId=chr(ord("A") + i),
-            instant=item.instant,
-            format=g.TABLE_TARGET_FORMAT if item.table else g.TIME_SERIES_TARGET_FORMAT,
-            datasource=DATASOURCE,
-        )
+        {
+            "datasource": DATASOURCE,
+            "editorMode": "code",
+            "expr": item.expr,
+            "format": "table" if item.table else "time_series",
+            "hide": False,
+            "instant": item.instant,
+            "range": not item.instant,
+            "legendFormat": item.legend,
+            "refId": chr(ord("A") + i),
+        }
         for i, item in enumerate(queries)
     ]
 
@@ -121,7 +125,15 @@ def timeseries(
     repeat: str | None = None,
 ) -> g.TimeSeries:
     """A time series panel. ``unstacked`` lists legend regexes drawn as lines over a stack;
-    ``repeat`` names a variable to repeat the panel over (one panel per value)."""
+    ``repeat`` names a variable to repeat the panel over (one panel per value).
+
+    A panel whose legend names ``{{engine}}`` draws one set of series per engine: it is repeated
+    by ``$engine`` (one panel per selected engine, stacked below each other, the engine in the
+    title), unless it is already repeated by another variable (per GPU)."""
+    if repeat is None and any("{{engine}}" in item.legend for item in queries):
+        repeat = "engine"
+    if repeat == "engine":
+        title = f"{title} ($engine)"
     overrides = [
         {
             "matcher": {"id": "byRegexp", "options": pattern},
@@ -148,8 +160,18 @@ def timeseries(
         thresholdsStyleMode="line" if threshold_line else "off",
         overrides=overrides,
         axisSoftMin=soft_min,
-        repeat=g.Repeat(direction="h", variable=repeat, maxPerRow=2) if repeat else g.Repeat(),
+        repeat=_repeat(repeat),
     )
+
+
+def _repeat(variable: str | None) -> g.Repeat:
+    """Per engine: copies below each other, each as wide as the panel (the panels beside it
+    keep their place); per GPU: side by side, two to a row."""
+    if variable is None:
+        return g.Repeat()
+    if variable == "engine":
+        return g.Repeat(direction="v", variable=variable)
+    return g.Repeat(direction="h", variable=variable, maxPerRow=2)
 
 
 def stat(
@@ -215,48 +237,60 @@ def table(
 # ---------------------------------------------------------------- template variables
 
 
-def datasource_variable() -> g.Template:
-    return g.Template(name="datasource", query="prometheus", type="datasource", label="Data source")
+#: A template variable, written as Grafana 10/11 does (grafanalib's Template carries removed keys).
+Variable = dict[str, Any]
 
 
-def query_variable(name: str, label: str, metric_selector: str, label_name: str) -> g.Template:
-    """A multi-value variable from ``label_values(selector, label)`` with an All option (regex .*)."""
+def datasource_variable() -> Variable:
+    return {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
+            "current": {}, "options": [], "hide": 0, "includeAll": False, "multi": False, "refresh": 1, "sort": 1}
+
+
+def query_variable(name: str, label: str, metric_selector: str, label_name: str) -> Variable:
+    """A multi-value variable from ``label_values(selector, label)`` with an All option (regex .*),
+    refreshed when the time range changes, values sorted alphabetically."""
     for metric in metrics_in(metric_selector):
         promql.known(metric)
-    return g.Template(
-        name=name,
-        label=label,
-        query=f"label_values({metric_selector}, {label_name})",
-        dataSource=DATASOURCE,
-        includeAll=True,
-        multi=True,
-        allValue=".*",
-        refresh=g.REFRESH_ON_TIME_RANGE_CHANGE,
-        sort=g.SORT_ALPHA_ASC,
+    return {"name": name, "label": label, "type": "query", "query": f"label_values({metric_selector}, {label_name})",
+            "datasource": DATASOURCE, "current": {}, "options": [], "hide": 0, "includeAll": True, "multi": True,
+            "allValue": ".*", "refresh": 2, "sort": 1}
+
+
+#: Variables a fleet may leave without values: a fleet without a `cluster` label (one
+#: Prometheus per cluster, or none set in external or target labels) gets only "All", whose
+#: regex `.*` also matches series without the label.
+OPTIONAL_VARIABLES = ("cluster",)
+
+
+def cluster_variable() -> Variable:
+    return query_variable("cluster", "Cluster", "kvledger_build_info", "cluster")
+
+
+def job_variable() -> Variable:
+    return query_variable("job", "Job", promql.sel("kvledger_build_info", promql.CLUSTER), "job")
+
+
+def instance_variable() -> Variable:
+    return query_variable("instance", "Node", promql.sel("kvledger_build_info", promql.CLUSTER, promql.JOB), "instance")
+
+
+def engine_variable() -> Variable:
+    return query_variable("engine", "Engine", promql.sel("kvledger_policy_info", promql.TARGET), "engine")
+
+
+def pool_variable() -> Variable:
+    return query_variable(
+        "pool", "KV pool", promql.sel("kvledger_kv_capacity_bytes", promql.TARGET, promql.ENGINE), "pool"
     )
 
 
-def instance_variable() -> g.Template:
-    return query_variable("instance", "Node", "kvledger_build_info", "instance")
+def gpu_variable() -> Variable:
+    return query_variable("gpu", "GPU", promql.sel("kvledger_gpu_up", promql.TARGET), "gpu")
 
 
-def engine_variable() -> g.Template:
-    return query_variable("engine", "Engine", promql.sel("kvledger_policy_info", promql.INSTANCE), "engine")
-
-
-def pool_variable() -> g.Template:
+def tenant_variable() -> Variable:
     return query_variable(
-        "pool", "KV pool", promql.sel("kvledger_kv_capacity_bytes", promql.INSTANCE, promql.ENGINE), "pool"
-    )
-
-
-def gpu_variable() -> g.Template:
-    return query_variable("gpu", "GPU", promql.sel("kvledger_gpu_up", promql.INSTANCE), "gpu")
-
-
-def tenant_variable() -> g.Template:
-    return query_variable(
-        "tenant", "Tenant", promql.sel("kvledger_tenant_quota_bytes", promql.INSTANCE, promql.ENGINE), "tenant"
+        "tenant", "Tenant", promql.sel("kvledger_tenant_quota_bytes", promql.TARGET, promql.ENGINE), "tenant"
     )
 
 
@@ -298,14 +332,26 @@ def _with_pos(panel: g.Panel, pos: g.GridPos) -> g.Panel:
     return panel
 
 
-def dashboard(title: str, uid: str, description: str, grid: Grid, variables: Sequence[g.Template]) -> g.Dashboard:
+#: The fleet variables every dashboard has, in this order (each narrows the next one's values).
+FLEET_VARIABLES = ("cluster", "job", "instance", "engine", "pool")
+
+
+def dashboard(title: str, uid: str, description: str, grid: Grid, variables: Sequence[Variable]) -> g.Dashboard:
+    """A dashboard with the datasource and target variables (cluster, job, instance) first, then
+    ``variables``: the engine and pool variables (every dashboard has them) and its own."""
+    names = [v["name"] for v in variables]
+    missing = [n for n in FLEET_VARIABLES[3:] if n not in names]
+    if missing:
+        raise ValueError(f"{title}: no {', '.join(missing)} variable")
     return g.Dashboard(
         title=title,
         uid=uid,
         description=description,
         tags=["kvledger"],
         panels=grid.panels,
-        templating=g.Templating(list=[datasource_variable(), *variables]),
+        templating=g.Templating(
+            list=[datasource_variable(), cluster_variable(), job_variable(), instance_variable(), *variables]
+        ),
         time=g.Time("now-30m", "now"),
         refresh="30s",
         timezone="browser",

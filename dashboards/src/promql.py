@@ -23,7 +23,12 @@ on = mon.on
 RATE_INTERVAL = "$__rate_interval"
 
 # Label matchers bound to the dashboard template variables.
-INSTANCE = 'instance=~"$instance"'
+# The target: every query of every dashboard selects by cluster (optional: `.*` also matches a
+# series without the label), job and instance, the labels Prometheus attaches at scrape.
+CLUSTER = 'cluster=~"$cluster"'
+JOB = 'job=~"$job"'
+TARGET = f'{CLUSTER}, {JOB}, instance=~"$instance"'
+INSTANCE = TARGET  # the node: its cluster, job and instance
 ENGINE = 'engine=~"$engine"'
 POOL = 'pool=~"$pool"'
 GPU = 'gpu=~"$gpu"'
