@@ -197,12 +197,14 @@ class Evaluation:
     output: str
 
 
-def evaluate(replay: Replay, expected_firing: set[str], rules: Path = RULES) -> Evaluation:
+def evaluate(replay: Replay, expected_firing: set[str], *, among: set[str] | None = None, rules: Path = RULES) -> Evaluation:
     """``promtool test rules`` with the production rules over the replay: passes when the alerts
-    that were firing at any evaluation are exactly ``expected_firing`` (by alert name)."""
+    that were firing at any evaluation are exactly ``expected_firing`` (by alert name); with
+    ``among``, only those alerts are looked at (the others may fire or not)."""
     _, evaluation_interval = prometheus_intervals()
     end = (len(replay.scrapes) - 1) * replay.scrape_interval
     window = f"{int(end + replay.scrape_interval)}s"
+    names = "" if among is None else ', alertname=~"' + "|".join(sorted(among)) + '"'
     test = {
         "rule_files": [str(rules)],
         "evaluation_interval": f"{int(evaluation_interval)}s",
@@ -211,7 +213,7 @@ def evaluate(replay: Replay, expected_firing: set[str], rules: Path = RULES) -> 
             "input_series": list(input_series(replay)),
             "promql_expr_test": [{
                 # every alert that fired at some evaluation of the run (ALERTS is written by the rule manager)
-                "expr": f'group by (alertname) (max_over_time(ALERTS{{alertstate="firing"}}[{window}]))',
+                "expr": f'group by (alertname) (max_over_time(ALERTS{{alertstate="firing"{names}}}[{window}]))',
                 "eval_time": f"{int(end)}s",
                 "exp_samples": [{"labels": f'{{alertname="{name}"}}', "value": 1} for name in sorted(expected_firing)],
             }],

@@ -40,6 +40,7 @@ from kvledger_engine.document_server import LedgerServer, serve_http, serve_unix
 from kvledger_engine.reference_ledger import PoolSpec
 
 MiB = 2**20
+ARRIVAL_VLLM = 2.5
 
 
 def demo_profiles() -> list[SimProfile]:
@@ -57,14 +58,17 @@ def demo_profiles() -> list[SimProfile]:
             max_model_len=8192,
             max_num_seqs=64,
             max_num_batched_tokens=4096,
-            arrival_rate=14.0,
+            arrival_rate=ARRIVAL_VLLM,
             output_log_mean=5.0,
             system_prompts=(512, 1024, 256, 2048, 768, 384),
             system_prompt_prob=0.7,
             parallel_prob=0.1,
             estimate_prob=0.15,
+            estimate_stretch_max=1.0,  # healthy estimates hold (KVLedgerEstimateOverflowing: --fault overflow)
             raise_bound_prob=0.01,
-            tenants=(("team-a", 1 * GiB), ("team-b", 2 * GiB), ("batch", None)),
+            # quotas within the 2 GiB pool (1.5 GiB in all): quotas that add up to more than the
+            # capacity cannot all be honoured at once (KVLedgerTenantQuotasOversubscribed)
+            tenants=(("team-a", 512 * MiB), ("team-b", 1 * GiB), ("batch", None)),
             gpus=(0,),
         ),
         SimProfile(
@@ -76,7 +80,7 @@ def demo_profiles() -> list[SimProfile]:
             max_model_len=4096,
             max_num_seqs=64,
             max_num_batched_tokens=8192,
-            arrival_rate=9.0,
+            arrival_rate=6.0,
             output_log_mean=5.0,
             speculative_slots=2,
             parallel_prob=0.05,
@@ -96,8 +100,9 @@ def demo_profiles() -> list[SimProfile]:
             arrival_rate=3.0,
             prompt_log_mean=6.8,
             prompt_log_sigma=0.7,
-            output_log_mean=3.5,  # short answers to long documents: estimates overflow within seconds
+            output_log_mean=3.5,  # short answers to long documents
             estimate_prob=0.3,
+            estimate_stretch_max=1.0,
             gpus=(0, 1),
             weights_bytes=24 * GiB,
         ),
@@ -111,7 +116,7 @@ def demo_profiles() -> list[SimProfile]:
             max_model_len=4096,
             max_num_seqs=32,
             max_num_batched_tokens=2048,
-            arrival_rate=5.0,
+            arrival_rate=3.5,
             prompt_log_mean=5.0,
             output_log_mean=4.5,
             system_prompts=(512, 256, 1024),
@@ -136,7 +141,7 @@ def demo_profiles() -> list[SimProfile]:
             max_num_seqs=32,
             max_num_batched_tokens=2048,
             step_seconds=0.1,
-            arrival_rate=4.0,
+            arrival_rate=2.0,
             prompt_log_mean=5.0,
             output_log_mean=4.5,
             system_prompts=(512, 256, 1024),

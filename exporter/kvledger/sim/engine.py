@@ -63,6 +63,9 @@ class SimProfile:
     max_contexts: int = 4
     speculative_slots: int = 0
     estimate_prob: float = 0.0  # share of requests whose bound is an estimate
+    # the output an estimated bound stands for: the bound times uniform(0.5, this); above 1
+    # some estimates overflow (the ``overflow`` fault overflows most of them)
+    estimate_stretch_max: float = 1.25
     raise_bound_prob: float = 0.01  # per running request per step
     tenants: tuple[tuple[str, int | None], ...] = ()  # (name, quota bytes or None)
     gpus: tuple[int, ...] = (0,)
@@ -179,7 +182,7 @@ class SimEngine:
         estimate = rng.random() < (0.8 if self.fault == "overflow" else p.estimate_prob)
         if estimate:
             bound = max(1, min(wanted, room))
-            stretch = rng.uniform(1.1, 2.5) if self.fault == "overflow" else rng.uniform(0.5, 1.25)
+            stretch = rng.uniform(1.1, 2.5) if self.fault == "overflow" else rng.uniform(0.5, p.estimate_stretch_max)
             target = max(1, min(int(bound * stretch), room))
         else:
             bound = max(1, min(int(wanted * rng.uniform(1.0, 2.0)), room))
