@@ -13,11 +13,30 @@ from __future__ import annotations
 
 import pytest
 
-from harness.demo_clock import evaluate, replay_demo
+from harness.demo_clock import INSTANCE, Replay, Series, evaluate, replay_demo
 from kvledger.cli import FAULT_TARGETS, parse_faults
 from kvledger.sim.demo import demo_profiles
 
 pytestmark = pytest.mark.e2e
+
+
+def _queue_replay(depths: list[float | None]) -> Replay:
+    """Scrapes of one engine's network queue (limit 256): ``None`` where the series is absent."""
+    target = (("instance", INSTANCE), ("job", "kvledger"))
+    depth: Series = ("kvledger_network_queue_depth", (("engine", "e"), *target))
+    limit: Series = ("kvledger_network_queue_limit", (("engine", "e"), *target, ("kind", "estimate")))
+    scrapes = [{limit: 256.0, **({} if d is None else {depth: d})} for d in depths]
+    return Replay(15.0, scrapes)
+
+
+def test_the_evaluation_sees_what_fires_and_what_left() -> None:
+    """The check can fail: a queue at 98 % of its limit for 6 minutes fires
+    KVLedgerNetworkQueueNearLimit (for: 5m); one there for 4 minutes that then leaves the
+    scrapes does not (its staleness marker ends it, as a scrape's would; without it the last
+    sample would count for 5 more minutes and the alert would fire)."""
+    assert not evaluate(_queue_replay([250.0] * 25), expected_firing=set()).ok
+    assert evaluate(_queue_replay([250.0] * 25), expected_firing={"KVLedgerNetworkQueueNearLimit"}).ok
+    assert evaluate(_queue_replay([250.0] * 17 + [None] * 24), expected_firing=set()).ok
 
 
 def test_the_healthy_demo_fires_no_alert_over_30_simulated_minutes() -> None:
