@@ -40,7 +40,6 @@ from kvledger_engine.document_server import LedgerServer, serve_http, serve_unix
 from kvledger_engine.reference_ledger import PoolSpec
 
 MiB = 2**20
-ARRIVAL_VLLM = 2.5
 
 
 def demo_profiles() -> list[SimProfile]:
@@ -58,7 +57,9 @@ def demo_profiles() -> list[SimProfile]:
             max_model_len=8192,
             max_num_seqs=64,
             max_num_batched_tokens=4096,
-            arrival_rate=ARRIVAL_VLLM,
+            # rare preemptions: from about 3.5 requests/s on its pool runs out and it thrashes
+            # (KVLedgerPreemptionStorm, KVLedgerOvercommitHigh, its queue at the limit)
+            arrival_rate=2.5,
             output_log_mean=5.0,
             system_prompts=(512, 1024, 256, 2048, 768, 384),
             system_prompt_prob=0.7,
@@ -80,6 +81,9 @@ def demo_profiles() -> list[SimProfile]:
             max_model_len=4096,
             max_num_seqs=64,
             max_num_batched_tokens=8192,
+            # busy: bursts fill its quota and queue requests (up to ~240 of its 256 for tens of
+            # seconds; KVLedgerNetworkQueueNearLimit waits 5 minutes), and demand beyond the
+            # quota is what --fault reserve-overcommit needs to admit past its pool
             arrival_rate=6.0,
             output_log_mean=5.0,
             speculative_slots=2,
