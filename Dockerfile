@@ -2,7 +2,7 @@
 # by default (the configuration is mounted at /etc/kvledger/kvledger.yml), a HEALTHCHECK on
 # /-/healthy.
 #
-#   docker build -t kvledger:0.1.0 .
+#   docker build -t kvledger:0.1.0 --build-arg KVLEDGER_REVISION=$(git rev-parse HEAD) .
 #   docker run --rm -p 9477:9477 kvledger:0.1.0 demo --listen 0.0.0.0:9477
 #   docker run --rm -p 9477:9477 -v $PWD/kvledger.yml:/etc/kvledger/kvledger.yml:ro kvledger:0.1.0
 #
@@ -18,9 +18,12 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md LICENSE ./
 COPY exporter/ exporter/
 COPY engine/ engine/
+# the build context has no .git: the revision that kvledger --version and kvledger_build_info
+# report comes from --build-arg KVLEDGER_REVISION=$(git rev-parse HEAD), else it is unknown
+ARG KVLEDGER_REVISION=
 # non-editable installs of the daemon and the engine-side library it depends on: no test
 # extra, no pip or setuptools left to run
 RUN python3 -m venv /opt/kvledger \

@@ -9,7 +9,7 @@ RUNTIME_STAMP = $(VENV)/.installed-runtime
 SUDO    = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 LISTEN ?= 127.0.0.1:9477
 
-.PHONY: demo test test-fast lint test-vllm test-llamacpp test-image image-deps fuzz system-deps venv dashboards dashboards-check alerts kubernetes crd-schemas previews bench clean golden
+.PHONY: demo dist test test-fast lint test-vllm test-llamacpp test-image image-deps fuzz system-deps venv dashboards dashboards-check alerts kubernetes crd-schemas previews bench clean golden
 
 $(STAMP): pyproject.toml engine/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -94,12 +94,14 @@ alerts: $(STAMP)
 kubernetes: $(STAMP)
 	$(PY) deploy/kubernetes/generate.py
 
-# Re-vendor the prometheus-operator schemas (deploy/kubernetes/schemas) from the pinned PyPI
-# package, in a throwaway venv: the package installs a pytest plugin, so it stays out of .venv.
+# Re-vendor the prometheus-operator and KEDA schemas (deploy/kubernetes/schemas) from the pinned
+# PyPI packages, in a throwaway venv: the packages install a pytest plugin, so they stay out of .venv.
+# (cloudcoil-models-keda 2.16.1.0 is the newest that installs on Python 3.11; later ones need 3.14.)
 CRD_MODELS ?= cloudcoil-models-prometheus-operator==0.80.1.0
+CRD_MODELS_KEDA ?= cloudcoil-models-keda==2.16.1.0
 crd-schemas:
 	$(PYTHON) -m venv tests/_build/crd-venv
-	tests/_build/crd-venv/bin/pip install -q '$(CRD_MODELS)'
+	tests/_build/crd-venv/bin/pip install -q '$(CRD_MODELS)' '$(CRD_MODELS_KEDA)'
 	tests/_build/crd-venv/bin/python deploy/kubernetes/schemas/vendor.py
 
 # The container image built and run for real (tests/test_deploy_image.py): buildah builds the
@@ -120,6 +122,17 @@ test-image: $(STAMP) image-deps
 previews: $(STAMP) system-deps
 	$(PY) dashboards/render_previews.py
 	$(PY) dashboards/render_page_previews.py
+
+# The release files: the sdist and wheel of the daemon (kvledger) and of the engine-side library
+# (kvledger-engine), each wheel built from its sdist, into $(DIST). Install with
+#   pip install $(DIST)/kvledger_engine-*.whl $(DIST)/kvledger-*.whl
+# The wheels carry the git revision they were built from (setup.py; KVLEDGER_REVISION for a tree without .git).
+DIST ?= dist
+dist: $(STAMP)
+	rm -rf $(DIST)
+	$(PY) -m build --outdir $(DIST) .
+	$(PY) -m build --outdir $(DIST) engine
+	@ls -1 $(DIST)
 
 # Regenerate the whole-/metrics golden file (tests/fixtures/metrics.golden.prom); read the diff.
 golden: $(STAMP)

@@ -155,7 +155,7 @@ ALERTS: tuple[Alert, ...] = (
         "(\n"
         "  kvledger_kv_resident_tokens{basis=~\"${basis}\"}\n"
         "    / on ($EP) group_left ()\n"
-        "  (kvledger_kv_token_capacity > 0)\n"
+        "  (kvledger_kv_capacity_tokens > 0)\n"
         ") > ${ratio}",
     ),
     Alert(
@@ -177,11 +177,11 @@ ALERTS: tuple[Alert, ...] = (
         "KVLedgerHostBufferNearLimit", "kvledger-resources", "warning",
         "An engine's host output buffer is close to its limit.",
         "Engine {{ $labels.engine }} host output buffer is at {{ $value | humanizePercentage }} of its "
-        "{{ if eq $labels.kind \"hard\" }}hard limit{{ else }}limit (kind={{ $labels.kind }}: an estimate, "
+        "{{ if eq $labels.limit \"hard\" }}hard limit{{ else }}limit (limit={{ $labels.limit }}: an estimate, "
         "not a cap){{ end }}.",
         "(\n"
         "  kvledger_host_buffer_bytes\n"
-        "    / on ($E) group_left (kind)\n"
+        "    / on ($E) group_left (limit)\n"
         "  (kvledger_host_buffer_limit_bytes > 0)\n"
         ") > ${ratio}",
     ),
@@ -189,11 +189,11 @@ ALERTS: tuple[Alert, ...] = (
         "KVLedgerNetworkQueueNearLimit", "kvledger-resources", "warning",
         "An engine's network queue is close to its limit.",
         "Engine {{ $labels.engine }} network queue is at {{ $value | humanizePercentage }} of its "
-        "{{ if eq $labels.kind \"hard\" }}hard limit{{ else }}limit (kind={{ $labels.kind }}: an estimate, "
+        "{{ if eq $labels.limit \"hard\" }}hard limit{{ else }}limit (limit={{ $labels.limit }}: an estimate, "
         "not a cap){{ end }}.",
         "(\n"
         "  kvledger_network_queue_depth\n"
-        "    / on ($E) group_left (kind)\n"
+        "    / on ($E) group_left (limit)\n"
         "  (kvledger_network_queue_limit > 0)\n"
         ") > ${ratio}",
     ),
@@ -203,6 +203,29 @@ ALERTS: tuple[Alert, ...] = (
         "Engine {{ $labels.engine }} preempts {{ $value | humanize }} requests per second (over ${window}); "
         "preempted requests are recomputed, wasting GPU time.",
         "rate(kvledger_preemptions_total[${window}]) > ${per_second}",
+    ),
+    # ------------------------------------------------ saturation (in the group of its records)
+    Alert(
+        "KVLedgerBoundByOneConstraint", "kvledger-saturation", "warning",
+        "An engine's queue grows while one constraint is at its limit and every other is far from its own.",
+        "Engine {{ $labels.engine }} is bound by {{ $labels.constraint }} ({{ $value | humanizePercentage }} of its "
+        "limit) while its waiting queue grows and every other constraint stays below ${others_below_pct}: more "
+        "{{ $labels.constraint }} capacity, not more KV memory, is what admits the queue (docs/autoscaling.md).",
+        # Evaluated after the saturation records of its own group, so it reads this
+        # evaluation's values (rules of one group run in order at one time) and never the raw
+        # ratio family again (at 10,000 engines reading it is the costly part,
+        # docs/autoscaling.md): the other constraints are those taking part less the binding one.
+        "(" + mon.SATURATION_BINDING.record + " > ${bound_ratio})\n"
+        "and on ($E)\n"
+        "(" + mon.QUEUE_TREND.record + " > ${queue_growth_per_second})\n"
+        "and on ($E)\n"
+        "(\n"
+        "  max by ($E) (\n"
+        "    " + mon.SATURATION_CONSTRAINTS.record + "\n"
+        "      unless on ($E, constraint)\n"
+        "    " + mon.SATURATION_BINDING.record + "\n"
+        "  ) < ${others_below}\n"
+        ")",
     ),
     Alert(
         "KVLedgerGPULost", "kvledger-resources", "critical",
@@ -257,6 +280,8 @@ ALERTS: tuple[Alert, ...] = (
 )
 
 GROUP_ORDER = ("kvledger-quota", "kvledger-prefix", "kvledger-resources", "kvledger-health")
+#: the saturation records and the alert that reads them (one group: see KVLedgerBoundByOneConstraint)
+SATURATION_GROUP = "kvledger-saturation"
 
 
 # ---------------------------------------------------------------- rendering
@@ -284,32 +309,39 @@ def anchor(alert_name: str) -> str:
     return alert_name.lower()
 
 
+def _alert_rule(a: Alert, thresholds: dict[str, Any], for_override: str | None) -> dict[str, Any]:
+    params = {k: _number(v) for k, v in thresholds["alerts"][a.name].items() if k != "for"}
+    if "others_below" in params:
+        params["others_below_pct"] = f"{float(params['others_below']) * 100:g} %"
+    subst = {**mon.JOIN_KEYS, **params, "daemon_selector": mon.DAEMON_SELECTOR}
+    return {
+        "alert": a.name,
+        "expr": Template(a.expr).substitute(subst),
+        "for": for_override or str(thresholds["alerts"][a.name].get("for", "0m")),
+        "labels": {"severity": a.severity},
+        "annotations": {
+            "summary": a.summary,
+            "description": Template(a.description.replace("$labels", "$$labels")
+                                    .replace("$value", "$$value")).substitute(subst),
+            "runbook_url": f"{thresholds['runbook_base']}#{anchor(a.name)}",
+        },
+    }
+
+
 def build(thresholds: dict[str, Any], for_override: str | None = None) -> dict[str, Any]:
-    """The rule-file document. ``for_override`` replaces every `for` (test variants)."""
-    keys = mon.JOIN_KEYS
-    base = thresholds["runbook_base"]
+    """The rule-file document. ``for_override`` replaces every `for` (test variants). The
+    saturation group holds its records first, then the alerts that read them."""
+    def alerts(group: str) -> list[dict[str, Any]]:
+        return [_alert_rule(a, thresholds, for_override) for a in ALERTS if a.group == group]
+
     groups: list[dict[str, Any]] = [{
         "name": "kvledger-recording",
         "rules": [{"record": r.record, "expr": r.expr} for r in mon.RECORDINGS],
+    }, {
+        "name": SATURATION_GROUP,
+        "rules": [{"record": r.record, "expr": r.expr} for r in mon.SATURATION_RECORDINGS] + alerts(SATURATION_GROUP),
     }]
-    for group in GROUP_ORDER:
-        rules = []
-        for a in (a for a in ALERTS if a.group == group):
-            params = {k: _number(v) for k, v in thresholds["alerts"][a.name].items() if k != "for"}
-            subst = {**keys, **params, "daemon_selector": mon.DAEMON_SELECTOR}
-            rules.append({
-                "alert": a.name,
-                "expr": Template(a.expr).substitute(subst),
-                "for": for_override or str(thresholds["alerts"][a.name].get("for", "0m")),
-                "labels": {"severity": a.severity},
-                "annotations": {
-                    "summary": a.summary,
-                    "description": Template(a.description.replace("$labels", "$$labels")
-                                            .replace("$value", "$$value")).substitute(subst),
-                    "runbook_url": f"{base}#{anchor(a.name)}",
-                },
-            })
-        groups.append({"name": group, "rules": rules})
+    groups.extend({"name": group, "rules": alerts(group)} for group in GROUP_ORDER)
     return {"groups": groups}
 
 

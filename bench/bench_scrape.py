@@ -4,6 +4,8 @@ Side by side in one run, on the same Accounts (the same series):
 - ``generate_latest``: prometheus_client's renderer over the same catalogue families
   (``AccountsCollector``), the reference;
 - ``render_text``: kvledger's renderer (once per new Accounts since issue 14);
+- ``render_openmetrics``: the same samples in OpenMetrics (issue 22), what a scraper asking
+  for OpenMetrics (Prometheus does) gets rendered once per Accounts;
 - ``from memory``: a scrape between two polls (``MetricsBody``: the bytes already rendered
   and gzip-compressed), what every scrape but the first after a cycle costs.
 Medians and their ratios; at two pool sizes, to show the render does not depend on blocks.
@@ -25,7 +27,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 from workload import scrape_snapshot
 
-from kvledger.output.prometheus import AccountsCollector, render_text
+from kvledger.output.prometheus import AccountsCollector, render_openmetrics, render_text
 from kvledger.policy.engine_accounts import compute_accounts
 from kvledger.web.endpoints import MetricsBody
 
@@ -54,11 +56,13 @@ def main() -> None:
         m = medians({
             "generate_latest": lambda r=registry: generate_latest(r),
             "render_text": lambda a=accounts: render_text(a),
+            "render_openmetrics": lambda a=accounts: render_openmetrics(a),
             "from memory": lambda a=accounts, c=cache: c.get(a, None, True),
         })
         print(f"{blocks:>9,} blocks/pool, {series:,} series: render_text {m['render_text']:.2f} ms "
               f"({m['render_text'] / BUDGET_MS:.2f} of the 10 ms budget), generate_latest {m['generate_latest']:.2f} ms, "
               f"render_text / generate_latest = {m['render_text'] / m['generate_latest']:.2f}; "
+              f"render_openmetrics {m['render_openmetrics']:.2f} ms (/ render_text = {m['render_openmetrics'] / m['render_text']:.2f}); "
               f"a scrape from memory {m['from memory'] * 1000:.1f} us ({m['from memory'] / m['render_text']:.4f} of a render)")
 
 

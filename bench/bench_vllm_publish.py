@@ -16,7 +16,13 @@ and the total per step as a share of a step of ``--step-ms`` (the integration's 
 keeps publication and render below 1 % of the engine thread by construction: the publish
 interval stretches when they cost more).
 
-Run: .venv/bin/python bench/bench_vllm_publish.py [--steps 1000] [--step-ms 30]
+``--hybrid``: a hybrid model's pool (Gemma 3's shape): every request holds blocks in two
+sliding-window groups (a 1,024-token window: the blocks that fall out of it are freed and
+become null entries) and one full-attention group; the view hands each newly seen block to
+the tracker with its group, as ``internals.EngineView`` does, so a publication also keeps each
+group's blocks in use.
+
+Run: .venv/bin/python bench/bench_vllm_publish.py [--steps 1000] [--step-ms 30] [--hybrid]
 """
 
 from __future__ import annotations
@@ -32,11 +38,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvledger_engine.vllm.document import PoolStatic, RequestRow
+from kvledger_engine.vllm.document import GroupStatic, PoolStatic, RequestRow
 from kvledger_engine.vllm.engine_core import EngineLedger
 from kvledger_engine.vllm.settings import Settings
 
 BLOCK = 16
+WINDOW = 1024  # --hybrid: the sliding-window groups' window (tokens)
 
 
 @dataclass
@@ -46,7 +53,9 @@ class FakeRequest:
     state: str = "running"
     computed: int = 0
     generated: int = 0
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # full attention
+    windows: list[list[int | None]] = field(default_factory=list)  # sliding-window groups (None: null)
+    seen: list[int] = field(default_factory=list)  # per group, entries already handed to the tracker
 
 
 @dataclass
@@ -60,10 +69,14 @@ class FakeOutput:
 class FakeView:
     """The interface of internals.EngineView over a modelled engine (one pool, no vLLM)."""
 
-    def __init__(self, requests: int, seed: int = 1) -> None:
+    def __init__(self, requests: int, seed: int = 1, hybrid: bool = False) -> None:
         self.rng = random.Random(seed)
-        capacity = requests * 200
-        self.static = PoolStatic("0", BLOCK, 65536, capacity, None, 0)
+        self.hybrid = hybrid
+        capacity = requests * (200 + (2 * (WINDOW // BLOCK + 1) if hybrid else 0))
+        groups = (GroupStatic("0", "sliding_window", WINDOW, None), GroupStatic("1", "sliding_window", WINDOW, None),
+                  GroupStatic("2", "full_attention", None, None)) if hybrid else ()  # fmt: skip
+        self.managers = [None] * (len(groups) or 1)
+        self.static = PoolStatic("0", BLOCK, 65536, capacity, None, 0, groups)
         self.blocks = [None] * (capacity + 1)  # id 0: the null block
         self.null_id = 0
         self.ref = [0] * (capacity + 1)
@@ -83,21 +96,40 @@ class FakeView:
         self.grow(req, req.prompt)
         return rid
 
+    def take(self) -> int:
+        bid = self.free.pop()
+        self.ref[bid] = 1
+        self.dirty().add(bid)
+        return bid
+
+    def drop(self, bid: int) -> None:
+        self.ref[bid] = 0
+        self.free.append(bid)
+        self.dirty().add(bid)
+
     def grow(self, req: FakeRequest, tokens: int) -> None:
         req.computed += tokens
         need = -(-req.computed // BLOCK)
         while len(req.blocks) < need:
-            bid = self.free.pop()
-            self.ref[bid] = 1
-            req.blocks.append(bid)
-            self.dirty().add(bid)
+            req.blocks.append(self.take())
+        if self.hybrid:
+            if not req.windows:
+                req.windows = [[], []]
+            skipped = max(0, req.computed - WINDOW + 1) // BLOCK  # blocks wholly before the window
+            for table in req.windows:
+                while len(table) < need:
+                    table.append(self.take())
+                for i in range(skipped - 1, -1, -1):
+                    bid = table[i]
+                    if bid is None:
+                        break
+                    self.drop(bid)
+                    table[i] = None
 
     def finish(self, rid: str) -> None:
         req = self.requests.pop(rid)
-        for bid in req.blocks:
-            self.ref[bid] = 0
-            self.free.append(bid)
-            self.dirty().add(bid)
+        for bid in [*req.blocks, *(b for t in req.windows for b in t if b is not None)]:
+            self.drop(bid)
 
     def step(self, replace: int) -> FakeOutput:
         scheduled = {}
@@ -127,11 +159,30 @@ class FakeView:
     def running_ids(self) -> list[str]:
         return list(self.requests)
 
-    def read_request(self, rid: str) -> RequestRow | None:
+    def read_request(self, rid: str, assign: Callable[[int, int], None] | None = None) -> RequestRow | None:
         req = self.requests.get(rid)
         if req is None:
             return None
-        return RequestRow(rid, req.state, req.prompt, req.max_tokens, req.generated, req.computed, len(req.blocks))
+        held = len(req.blocks)
+        if self.hybrid:
+            tables: list[list[int | None]] = [*req.windows, req.blocks]  # type: ignore[list-item]
+            if not req.seen:
+                req.seen = [0] * len(tables)
+            for g, table in enumerate(tables):  # as EngineView: only the entries not seen yet
+                if assign is not None:
+                    for bid in table[req.seen[g]:]:
+                        if bid is not None:
+                            assign(bid, g)
+                req.seen[g] = len(table)
+            if len(req.seen) == len(tables):
+                req.seen += [0] * len(req.windows)  # then the null prefix of each window table
+            for w, table in enumerate(req.windows):  # as EngineView: the null prefix only grows
+                start = req.seen[len(tables) + w]
+                while start < len(table) and table[start] is None:
+                    start += 1
+                req.seen[len(tables) + w] = start
+                held += len(table) - start
+        return RequestRow(rid, req.state, req.prompt, req.max_tokens, req.generated, req.computed, held)
 
     def budgets(self, iteration_tokens: int | None) -> dict[str, int]:
         return {"max_num_batched_tokens": 8192, "max_num_seqs": 100_000, "max_model_len": 8192,
@@ -151,8 +202,8 @@ def read_socket(path: str, accept: str) -> bytes:
     return body
 
 
-def run(requests: int, steps: int, form: str, step_ms: float) -> dict[str, float]:
-    view = FakeView(requests)
+def run(requests: int, steps: int, form: str, step_ms: float, hybrid: bool = False) -> dict[str, float]:
+    view = FakeView(requests, hybrid=hybrid)
     sock = str(Path(tempfile.mkdtemp()) / "ledger.sock")
     ledger = EngineLedger(view, Settings(address=f"unix://{sock}", min_interval=0.1), "0.32.0")  # type: ignore[arg-type]
     accept = "application/vnd.kvledger.v1.columns+json" if form == "columns" else "application/json"
@@ -190,13 +241,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--step-ms", type=float, default=30.0, help="an engine step's time, for the share")
     ap.add_argument("--form", default="columns,rows")
+    ap.add_argument("--requests", default="1000,10000", help="running requests, comma-separated")
+    ap.add_argument("--hybrid", action="store_true", help="a pool shared by two sliding-window groups and a full one")
     args = ap.parse_args()
     print("| requests | form read | hooks / step (no publication) | publication | publications / step | render per read "
           "| engine-thread cost per step | share of a step |")
     print("|---|---|---|---|---|---|---|---|")
-    for n in (1_000, 10_000):
+    for n in map(int, args.requests.split(",")):
         for form in args.form.split(","):
-            r = run(n, args.steps, form, args.step_ms)
+            r = run(n, args.steps, form, args.step_ms, args.hybrid)
             per_step_ms = (r["hooks_us"] / 1000 * (1 - r["publishes_per_step"]) + r["publish_ms"] * r["publishes_per_step"]
                            + r["render_ms"] * args.step_ms / 1000)
             print(f"| {n:,} | {form} | {r['hooks_us']:.0f} us | {r['publish_ms']:.2f} ms | {r['publishes_per_step']:.3f} "

@@ -97,7 +97,81 @@ RECORDINGS: tuple[Recording, ...] = (
     KV_CAPACITY, KV_RESERVED, KV_ALLOCATED, KV_OVERCOMMIT, GPU_UNACCOUNTED, GPU_USED, GPU_TOTAL,
 )
 
-RECORDED: frozenset[str] = frozenset(r.record for r in RECORDINGS)
+# ---------------------------------------------------------------- saturation and autoscaling
+
+#: The labels that name one deployment of an engine for autoscalers: the replicas of a
+#: Deployment share the kvledger configuration (one ConfigMap), hence the ``engine`` name,
+#: and the prometheus-operator labels every target with its ``namespace``. ``job`` keeps
+#: kvledger apart from other exporters. (docs/autoscaling.md, "Which labels")
+DEPLOYMENT_LABELS: tuple[str, ...] = ("job", "namespace", "engine")
+
+#: bases a saturation figure must have to show a limit is reached (an upper bound does not)
+PROVEN_BASIS = 'basis=~"exact|lower_bound"'
+#: the window of the waiting queue's trend (deriv): long enough for a few scrapes, short
+#: enough to follow a burst
+QUEUE_TREND_WINDOW = "2m"
+
+
+def constraint_ratios() -> str:
+    """Per engine and constraint taking part in its binding (the daemon lists them in
+    ``kvledger_saturation_binding``, 0 or 1), the constraint's ratio on a proven basis, the
+    fullest pool's. ``without`` keeps every target label (``namespace`` among them, which the
+    deployment records group by). The one rule that reads the raw ratio family: at 10,000
+    engines reading it is most of the cost (docs/autoscaling.md), so the others read this."""
+    return (
+        "max without (pool, basis) (\n"
+        f"  {selector('kvledger_saturation_ratio', PROVEN_BASIS)}\n"
+        f"    and {on('engine', 'constraint')}\n"
+        "  kvledger_saturation_binding\n"
+        ")"
+    )
+
+
+def queue_trend(window: str = QUEUE_TREND_WINDOW) -> str:
+    """Per engine, how fast the waiting queue grows (requests per second; < 0: it drains)."""
+    return f'deriv(kvledger_requests{{state="waiting"}}[{window}])'
+
+
+DEPLOYMENT = ", ".join(DEPLOYMENT_LABELS)
+
+SATURATION_CONSTRAINTS = Recording("kvledger:saturation_constraints:ratio", constraint_ratios())
+# the constraint the daemon names as binding (the rule lives in its policy): its ratio
+SATURATION_BINDING = Recording(
+    "kvledger:saturation_binding:ratio",
+    f"{SATURATION_CONSTRAINTS.record}\n  and {on('engine', 'constraint')}\n(kvledger_saturation_binding == 1)",
+)
+QUEUE_TREND = Recording(f"kvledger:requests_waiting:deriv{QUEUE_TREND_WINDOW}", queue_trend())
+# what autoscalers read, per deployment (the replicas of one engine in a namespace)
+DEPLOYMENT_SATURATION = Recording(
+    "kvledger_deployment:saturation_binding:avg",
+    f"avg by ({DEPLOYMENT}) ({SATURATION_BINDING.record})",
+)
+DEPLOYMENT_HEADROOM = Recording(
+    "kvledger_deployment:admission_headroom_requests:sum",
+    f"sum by ({DEPLOYMENT}) ({selector('kvledger_admission_headroom_requests', PROVEN_BASIS)})",
+)
+DEPLOYMENT_QUEUE_TREND = Recording(
+    f"kvledger_deployment:requests_waiting:deriv{QUEUE_TREND_WINDOW}",
+    f"sum by ({DEPLOYMENT}) ({QUEUE_TREND.record})",
+)
+# fleet rollups: over the per-engine records (one series per engine), never the raw families
+FLEET_BINDING_COUNT = Recording(
+    "kvledger_fleet:saturation_binding:count",
+    f"count by (constraint) ({SATURATION_BINDING.record})",
+)
+FLEET_BINDING_AVG = Recording(
+    "kvledger_fleet:saturation_binding:avg",
+    f"avg by (constraint) ({SATURATION_BINDING.record})",
+)
+
+# In the order the rule file lists them: a rule reads only records listed before it (rules
+# of one group run in order at the same evaluation time, each seeing the ones before).
+SATURATION_RECORDINGS: tuple[Recording, ...] = (
+    SATURATION_CONSTRAINTS, SATURATION_BINDING, QUEUE_TREND, DEPLOYMENT_SATURATION, DEPLOYMENT_HEADROOM, DEPLOYMENT_QUEUE_TREND,
+    FLEET_BINDING_COUNT, FLEET_BINDING_AVG,
+)
+
+RECORDED: frozenset[str] = frozenset(r.record for r in (*RECORDINGS, *SATURATION_RECORDINGS))
 
 
 def indent(expr: str, spaces: int) -> str:

@@ -90,10 +90,10 @@ def test_invariants_hold_in_prometheus(demo_and_prometheus: tuple[Daemon, Promet
     assert prom.query('kvledger_kv_allocated_bytes > on (engine, pool) group_left kvledger_kv_capacity_bytes') == []
     # physical headroom = free + reclaimable; quota headroom = capacity - reserved
     assert prom.query(
-        'abs(kvledger_kv_headroom_bytes{kind="physical"} - ignoring (kind) '
+        'abs(kvledger_kv_headroom_bytes{view="physical"} - ignoring (view) '
         '(kvledger_kv_free_bytes + kvledger_kv_reclaimable_bytes)) > 0') == []
     assert prom.query(
-        'abs(kvledger_kv_headroom_bytes{kind="quota"} - ignoring (kind) '
+        'abs(kvledger_kv_headroom_bytes{view="quota"} - ignoring (view) '
         '(kvledger_kv_capacity_bytes - on (engine, pool) group_right kvledger_kv_reserved_bytes)) > 0') == []
     # no invariant violation was ever observed, every source is up
     assert prom.query("kvledger_ledger_invariant_violations_total > 0") == []
@@ -163,8 +163,8 @@ def test_policy_is_declared_on_every_engine(demo_and_prometheus: tuple[Daemon, P
 
 def test_quota_and_physical_headroom_are_separate_series(demo_and_prometheus: tuple[Daemon, PrometheusServer]) -> None:
     _, prom = demo_and_prometheus
-    kinds = {r["metric"]["kind"] for r in prom.query('kvledger_kv_headroom_bytes{engine="sim-vllm"}')}
-    assert kinds == {"quota", "physical"}
+    views = {r["metric"]["view"] for r in prom.query('kvledger_kv_headroom_bytes{engine="sim-vllm"}')}
+    assert views == {"quota", "physical"}
 
 
 def test_metrics_pass_promtool_and_lint(demo_and_prometheus: tuple[Daemon, PrometheusServer]) -> None:

@@ -8,7 +8,11 @@ What is checked, and against what:
   does not know is an error, as `kubectl apply --validate=strict` makes it);
 - ServiceMonitor and PrometheusRule: the vendored schemas in deploy/kubernetes/schemas
   (prometheus-operator v0.80.1's CRDs as modelled by cloudcoil-models-prometheus-operator
-  0.80.1.0; see vendor.py), made strict the same way;
+  0.80.1.0; see vendor.py), made strict the same way; KEDA's ScaledObject likewise (KEDA
+  v2.16.1's CRD as modelled by cloudcoil-models-keda 2.16.1.0), and its prometheus trigger's
+  metadata against the keys KEDA's prometheus scaler documents;
+- prometheus-adapter's rules (a ConfigMap's config.yaml): deploy/kubernetes/schemas/
+  prometheus-adapter-config.json, the adapter's configuration format (strict, as it reads it);
 - not checked: admission by a real API server, the operator's own validating webhook (it
   also parses the PromQL: promtool does that here, tests/test_alert_rules.py), that the
   images exist, and anything a running cluster decides (scheduling, NVML in the pod).
@@ -20,7 +24,6 @@ import copy
 import json
 import subprocess
 import sys
-import tomllib
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -30,6 +33,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvledger import __version__
 from kvledger.collect.engine_kinds import kind_specific_keys
 from kvledger.config.loader import config_from_mapping
 
@@ -67,9 +71,13 @@ def _strict(node: Any) -> Any:
     return node
 
 
+#: the API groups of the custom resources and the suffix of their vendored schemas
+CRD_GROUPS = {"monitoring.coreos.com/v1": "monitoring-v1", "keda.sh/v1alpha1": "keda-v1alpha1"}
+
+
 @cache
-def crd_validator(kind: str) -> jsonschema.Draft202012Validator:
-    schema = json.loads((K8S / "schemas" / f"{kind.lower()}-monitoring-v1.json").read_text())
+def crd_validator(kind: str, api_version: str = "monitoring.coreos.com/v1") -> jsonschema.Draft202012Validator:
+    schema = json.loads((K8S / "schemas" / f"{kind.lower()}-{CRD_GROUPS[api_version]}.json").read_text())
     return jsonschema.Draft202012Validator(_strict(schema))
 
 
@@ -81,11 +89,11 @@ def _leaves(error: jsonschema.ValidationError) -> list[jsonschema.ValidationErro
 
 
 def crd_errors(doc: dict[str, Any]) -> list[str]:
-    errors = [f"{'.'.join(map(str, leaf.absolute_path))}: {leaf.message}"
-              for e in crd_validator(doc["kind"]).iter_errors(doc) for leaf in _leaves(e)]
-    if doc.get("apiVersion") != "monitoring.coreos.com/v1":
-        errors.append(f"apiVersion: {doc.get('apiVersion')!r}")
-    return errors
+    api_version = doc.get("apiVersion", "")
+    if api_version not in CRD_GROUPS:
+        return [f"apiVersion: {api_version!r}"]
+    return [f"{'.'.join(map(str, leaf.absolute_path))}: {leaf.message}"
+            for e in crd_validator(doc["kind"], api_version).iter_errors(doc) for leaf in _leaves(e)]
 
 
 def k8s_errors(doc: dict[str, Any], version: str) -> list[str]:
@@ -100,6 +108,7 @@ EXPECTED = {
     ("DaemonSet", "kvledger"), ("ConfigMap", "kvledger-config"), ("Service", "kvledger"),
     ("ServiceMonitor", "kvledger"), ("PrometheusRule", "kvledger"), ("ConfigMap", "kvledger-dashboards"),
     ("Deployment", "vllm"), ("ConfigMap", "kvledger-sidecar-config"), ("Service", "vllm-kvledger"),
+    ("ScaledObject", "vllm"), ("ConfigMap", "prometheus-adapter-kvledger"), ("HorizontalPodAutoscaler", "vllm"),
 }
 
 
@@ -110,7 +119,7 @@ def test_the_manifests_are_the_documented_set() -> None:
 
 @pytest.mark.parametrize(("path", "doc"), manifests(), ids=[f"{p}:{d['kind']}" for p, d in manifests()])
 def test_manifest_is_valid(path: str, doc: dict[str, Any]) -> None:
-    if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+    if doc["apiVersion"] in CRD_GROUPS:
         assert crd_errors(doc) == []
     else:
         for version in VERSIONS:
@@ -128,14 +137,20 @@ def test_manifest_is_valid(path: str, doc: dict[str, Any]) -> None:
         ("ServiceMonitor", "kvledger", lambda d: d["spec"]["endpoints"][0].update(intervall="15s"), "'intervall' was unexpected"),
         ("ServiceMonitor", "kvledger", lambda d: d["spec"]["endpoints"][0].update(interval="15 s"), "'15 s' does not match"),
         ("PrometheusRule", "kvledger", lambda d: d["spec"]["groups"][0]["rules"][0].update(recrod="x"), "'recrod' was unexpected"),
-        ("PrometheusRule", "kvledger", lambda d: d["spec"]["groups"][1]["rules"][0].update({"for": "2 minutes"}), "does not match"),
+        ("PrometheusRule", "kvledger", lambda d: d["spec"]["groups"][2]["rules"][0].update({"for": "2 minutes"}), "does not match"),
+        ("ScaledObject", "vllm", lambda d: d["spec"].update(maxReplicas=8), "'maxReplicas' was unexpected"),
+        ("ScaledObject", "vllm", lambda d: d["spec"]["triggers"][0].update(metricsType="Value"), "'metricsType' was unexpected"),
+        ("ScaledObject", "vllm", lambda d: d["spec"].update(minReplicaCount="1"), "'1' is not of type 'integer'"),
+        ("HorizontalPodAutoscaler", "vllm", lambda d: d["spec"]["metrics"][0]["external"]["target"].update(averageVal="1"),
+         "'averageVal' was unexpected"),
     ],
-    ids=["ds-typo", "ds-nested-typo", "svc-type", "sm-typo", "sm-duration", "rule-typo", "rule-duration"],
+    ids=["ds-typo", "ds-nested-typo", "svc-type", "sm-typo", "sm-duration", "rule-typo", "rule-duration",
+         "so-typo", "so-trigger-typo", "so-replicas-type", "hpa-typo"],
 )
 def test_the_checks_catch_typos_and_bad_values(kind: str, name: str, mutate: Any, message: str) -> None:
     doc = copy.deepcopy(find(kind, name))
     mutate(doc)
-    errors = crd_errors(doc) if kind in ("ServiceMonitor", "PrometheusRule") else k8s_errors(doc, VERSIONS[-1])
+    errors = crd_errors(doc) if kind in ("ServiceMonitor", "PrometheusRule", "ScaledObject") else k8s_errors(doc, VERSIONS[-1])
     assert any(message in e for e in errors), errors
 
 
@@ -249,7 +264,7 @@ def test_daemonset_sees_the_host() -> None:
 
 
 def test_images_and_users_match_the_dockerfile_and_the_package() -> None:
-    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    version = __version__  # the one place: kvledger/__init__.py (pyproject.toml reads it)
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "USER 65532:65532" in dockerfile
     for kind, name in (("DaemonSet", "kvledger"), ("Deployment", "vllm")):

@@ -59,7 +59,7 @@ def test_each_kind_exports_its_families_with_the_right_basis(stack) -> None:  # 
         assert values(prom, f"kvledger_kv_blocks{{{sel}}}", "state") == {"in_use"}
         assert values(prom, f"kvledger_kv_reclaimable_bytes{{{sel}}}", "basis") == {"upper_bound"}
         assert values(prom, f"kvledger_kv_free_bytes{{{sel}}}", "basis") == {"upper_bound"}
-        assert values(prom, f'kvledger_kv_headroom_bytes{{{sel},kind="physical"}}', "basis") == {"exact"}
+        assert values(prom, f'kvledger_kv_headroom_bytes{{{sel},view="physical"}}', "basis") == {"exact"}
         assert values(prom, f"kvledger_engine_reported_memory_bytes{{{sel}}}", "memory_type") == {"gpu", "cpu", "pinned"}
         assert values(prom, f"kvledger_kv_reserved_bytes{{{sel}}}", "basis") == {"upper_bound"}
     # TGI: the reservation exact, nothing physical
@@ -72,7 +72,7 @@ def test_each_kind_exports_its_families_with_the_right_basis(stack) -> None:  # 
     kinds = {r["metric"]["engine"]: r["metric"]["kind"] for r in prom.query("kvledger_engine_info")}
     assert kinds == {"sgl": "sglang", "trt": "trtllm", "triton": "triton-trtllm", "tgi": "tgi"}
     # physical headroom is free + reclaimable wherever both are exact
-    assert prom.query('abs(kvledger_kv_headroom_bytes{kind="physical"} - ignoring (kind) '
+    assert prom.query('abs(kvledger_kv_headroom_bytes{view="physical"} - ignoring (view) '
                       "(kvledger_kv_free_bytes + kvledger_kv_reclaimable_bytes)) > 0") == []
     assert prom.query("kvledger_ledger_invariant_violations_total > 0") == []
 

@@ -33,7 +33,8 @@ from kvledger.policy.engine_accounts import compute_accounts
 
 def rich_snapshot() -> Snapshot:
     refs = [BlockRef(0, 2, True), BlockRef(1, 1, True), BlockRef(2, 0, True)]
-    pool = PoolFacts(id="0", block_size=16, num_blocks=10, block_bytes=1000, block_refs=refs, engine_reported_used_blocks=2)
+    pool = PoolFacts(id="0", block_size=16, num_blocks=10, block_bytes=1000, block_refs=refs, engine_reported_used_blocks=2,
+                     preempted_tokens=640)
     reqs = [
         RequestFacts(id="a", state="running", prompt_tokens=20, max_output_tokens=10, tenant="t1", blocks_held=2,
                      block_ids=[0, 1], computed_tokens=25, contexts=2, speculative_slots=2),

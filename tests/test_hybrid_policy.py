@@ -153,3 +153,25 @@ def test_render_has_one_series_per_group() -> None:
     assert 'kvledger_kv_group_in_use_blocks{engine="e",pool="0",group="2"} 58.0' in text
     assert 'kvledger_kv_group_reserved_blocks{engine="e",pool="0",group="0",basis="exact"} 3.0' in text
     assert 'kvledger_kv_group_info{engine="e",pool="0",group="0",layer_type="sliding_window",window_tokens="64"} 1.0' in text
+
+
+def test_a_stock_hybrid_vllm_is_bounded_by_its_own_sizing_before_its_events() -> None:
+    """cache_config_info of the tiny Gemma 3 as vLLM 0.32 exports it (sliding_window "None"):
+    kv_cache_max_concurrency 3.657 of 256 blocks is 70 blocks a request at max_model_len, so
+    two running requests are bounded by 140 blocks, not the 64 of one full-attention group."""
+    from kvledger.collect.sources.vllm.metrics import vllm_facts_from_metrics
+    from kvledger.config.model import EngineConfig
+
+    text = (
+        'vllm:cache_config_info{block_size="32",engine="0",kv_cache_max_concurrency="3.657142857142857",'
+        'kv_cache_memory_bytes="4194304",kv_cache_size_tokens="3744",num_gpu_blocks="256",sliding_window="None"} 1.0\n'
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.2\n'
+        'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 0.0\n'
+    )
+    facts = vllm_facts_from_metrics(text, EngineConfig(name="g", kind="vllm", url="http://x/metrics"))
+    (pool,) = facts.pools
+    assert pool.engine_request_blocks == 70 and pool.groups == ()
+    facts.budgets = Budgets(max_model_len=1024)
+    (acc,) = engine_account(facts, "per-request").pools
+    assert acc.reserved_blocks is not None and acc.reserved_blocks.upper == 140

@@ -11,9 +11,11 @@ from __future__ import annotations
 import difflib
 import os
 from pathlib import Path
+from unittest import mock
 
 from test_exposition import rich_snapshot
 
+from kvledger import BuildInfo, __version__
 from kvledger.model.accounts import ConfigReload
 from kvledger.output.catalog import CATALOG
 from kvledger.output.prometheus import render_text
@@ -23,12 +25,18 @@ GOLDEN = Path(__file__).parent / "fixtures" / "metrics.golden.prom"
 REGEN = os.environ.get("KVLEDGER_REGEN") == "1"
 
 
+#: the build the golden page shows: the revision and the Python version vary by checkout and machine
+GOLDEN_BUILD = BuildInfo(version=__version__, revision="0123456789abcdef0123456789abcdef01234567", build_date="unknown",
+                         python_version="3.11.0")
+
+
 def rendered() -> str:
     accounts = compute_accounts(rich_snapshot())
     accounts.invariant_totals = {("sim", "partition"): 1}
     accounts.labels_limited = {("sim", "tenant", "dropped"): 3}
     accounts.config_reload = ConfigReload(successful=True, success_at=1_700_000_000.0)
-    return render_text(accounts).decode()
+    with mock.patch("kvledger.output.catalog.build_info", return_value=GOLDEN_BUILD):
+        return render_text(accounts).decode()
 
 
 def test_metrics_page_matches_the_golden_file() -> None:

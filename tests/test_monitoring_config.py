@@ -69,9 +69,11 @@ def undefined_recorded_series(named: list[tuple[str, str]], defined: frozenset[s
 
 def test_the_rule_file_records_exactly_the_one_definition() -> None:
     doc = yaml.safe_load(RULES.read_text())
-    (recording,) = [g for g in doc["groups"] if g["name"] == "kvledger-recording"]
-    assert [(r["record"], r["expr"]) for r in recording["rules"]] == [(r.record, r.expr) for r in mon.RECORDINGS]
-    assert len(mon.RECORDED) == len(mon.RECORDINGS)
+    for group, recordings in (("kvledger-recording", mon.RECORDINGS), ("kvledger-saturation", mon.SATURATION_RECORDINGS)):
+        (recording,) = [g for g in doc["groups"] if g["name"] == group]
+        records = [(r["record"], r["expr"]) for r in recording["rules"] if "record" in r]
+        assert records == [(r.record, r.expr) for r in recordings]
+    assert len(mon.RECORDED) == len(mon.RECORDINGS) + len(mon.SATURATION_RECORDINGS)
 
 
 def test_alerts_and_dashboards_name_only_defined_recorded_series() -> None:
@@ -116,6 +118,8 @@ def test_per_engine_gpu_joins_keep_the_target_labels(source: str) -> None:
     bad = []
     for where, clause in clauses:
         listed = [x.strip() for x in clause.split("(", 1)[1].rstrip(")").split(",") if x.strip()]
+        if tuple(listed) == mon.DEPLOYMENT_LABELS:
+            continue  # the one aggregation over daemons on purpose: a deployment's replicas (autoscaling)
         if PER_TARGET & set(listed) and tuple(listed[: len(mon.TARGET_LABELS)]) != mon.TARGET_LABELS:
             bad.append(f"{where}: {clause}")
     assert bad == []

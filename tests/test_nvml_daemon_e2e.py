@@ -99,10 +99,10 @@ def test_daemon_exports_the_inventory_and_survives_a_lost_gpu(tmp_path: Path, en
         assert get(s, "kvledger_gpu_process_memory_bytes", gpu="0", engine="tp2") == 30 * GIB
         assert get(s, "kvledger_gpu_process_memory_bytes", gpu="1", engine="tp2") == 30 * GIB + MIB
         # the device budget: the engine's declared terms per GPU, the configured reserve, the KV pool
-        assert get(s, "kvledger_gpu_budget_bytes", gpu="0", engine="tp2", category="weights", source="measured") == 8 * GIB
+        assert get(s, "kvledger_gpu_budget_bytes", gpu="0", engine="tp2", category="weights", provenance="measured") == 8 * GIB
         # the engine's own declaration wins over the config's for the same (gpu, category)
-        assert get(s, "kvledger_gpu_budget_bytes", gpu="1", engine="tp2", category="reserve", source="configured") == 2 * GIB
-        kv = get(s, "kvledger_gpu_budget_bytes", gpu="0", engine="tp2", category="kv_pool", source="measured")
+        assert get(s, "kvledger_gpu_budget_bytes", gpu="1", engine="tp2", category="reserve", provenance="configured") == 2 * GIB
+        kv = get(s, "kvledger_gpu_budget_bytes", gpu="0", engine="tp2", category="kv_pool", provenance="measured")
         assert kv == get(s, "kvledger_kv_capacity_bytes", engine="tp2", pool="0") / 2  # type: ignore[operator]
         declared = sum(v for (name, labels), v in s.items() if name == "kvledger_gpu_budget_bytes"
                        and dict(labels)["gpu"] == "0" and dict(labels)["category"] != "reserve")

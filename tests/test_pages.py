@@ -77,7 +77,7 @@ def test_every_number_of_the_ledger_document_is_a_metrics_sample() -> None:
         for quantity, family in QUANTITIES.items():
             assert pool.get(quantity) == (by_basis(samples, family, **ep) or None), (engine, quantity)
         for kind in ("quota", "physical"):
-            expected = by_basis(samples, "kvledger_kv_headroom_bytes", **ep, kind=kind) or None
+            expected = by_basis(samples, "kvledger_kv_headroom_bytes", **ep, view=kind) or None
             assert pool.get(f"{kind}_headroom") == expected, (engine, kind)
     # the shapes the page must draw differently: exact, bounds, an upper bound alone, nothing physical
     assert pools[("sim", "0")]["in_use"] == {"exact": 2000.0}

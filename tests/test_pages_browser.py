@@ -304,7 +304,7 @@ def check_page_against_metrics(page: dict[str, Any], samples: Samples) -> int:
         assert _quantity_on_page(figures["capacity"]) == {"exact": capacities[(engine, pool_id)]}
         metrics: dict[str, dict[str, float]] = {q: by_basis(samples, f, **ep) for q, f in FIGURE_FAMILY.items()}
         for kind in ("quota", "physical"):
-            metrics[f"{kind}_headroom"] = by_basis(samples, "kvledger_kv_headroom_bytes", **ep, kind=kind)
+            metrics[f"{kind}_headroom"] = by_basis(samples, "kvledger_kv_headroom_bytes", **ep, view=kind)
         for quantity, expected in metrics.items():
             figure = figures[quantity]
             assert _quantity_on_page(figure) == expected, (where, quantity)

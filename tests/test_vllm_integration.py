@@ -706,6 +706,37 @@ def test_a_renamed_internal_turns_the_ledger_off_and_vllm_runs_unchanged(fake: M
         assert len(kv_records(caplog)) == 1
 
 
+def test_preempted_tokens_are_the_computed_tokens_each_preemption_threw_away(fake: ModuleType, sock_dir: Path) -> None:
+    """kvledger_preempted_tokens_total's source: the pool's preempted_tokens counts, for every
+    request a step preempted, the tokens it had computed (vLLM zeroes them when it preempts);
+    counted here independently by watching the fake scheduler's own _preempt_request."""
+    spec = fake.EngineSpec(num_gpu_blocks=24, block_size=8, max_model_len=160)
+    with ledger_engine(fake, str(sock_dir / "l.sock"), spec) as scheduler:
+        thrown: list[int] = []
+        original = scheduler._preempt_request
+
+        def watched(request: Any) -> None:
+            thrown.append(request.num_computed_tokens)
+            original(request)
+
+        scheduler._preempt_request = watched
+        work = fake.Workload(scheduler, seed=9)
+        for _ in range(12):
+            work.add(prompt_tokens=40, max_tokens=60)  # more than the pool holds at once: preemptions
+            work.step()
+        work.drain()
+        work.pause(True)  # publishes
+        raw, facts = served(scheduler)
+        (pool,) = facts.pools
+        assert thrown and sum(thrown) > 0
+        assert raw["pools"][0]["preempted_tokens"] == pool.preempted_tokens == sum(thrown)
+        # the window of iterations: every step of the workload within the last seconds
+        budgets = raw["budgets"]
+        steps = [o.total_num_scheduled_tokens for o in work.outputs]
+        assert (budgets["window_scheduled_tokens"], budgets["window_iterations"]) == (sum(steps), len(steps))
+        assert facts.budgets.window_iterations == len(steps)
+
+
 # ---------------------------------------------------------------- (f) a failure inside a hook
 
 
@@ -1426,6 +1457,26 @@ def test_merge_ledger_sums_per_rank_budgets(budgets1: dict[str, Any], expected: 
     merged = merge_ledger(metrics, ledgers)
     assert merged.budgets == expected and metrics.budgets.iteration_tokens is None
     assert [p.id for p in merged.pools] == ["0", "1"] and sorted({r.pool for r in merged.requests or []}) == ["0", "1"]
+
+
+def test_merge_ledger_adds_the_ranks_windows_and_keeps_each_pools_preempted_tokens() -> None:
+    """The ranks step together: the window's tokens add up, its iterations are each rank's
+    (the most any rank ran); a rank without a window makes the engine's unknown."""
+    metrics = metrics_facts(METRICS_DP2)
+    base = {"max_num_batched_tokens": 256, "max_num_seqs": 8, "max_model_len": 1024, "iteration_tokens": 90}
+
+    def rank(r: str, window: dict[str, int], preempted: int) -> EngineFacts:
+        doc = ledger_doc(r, num_blocks=2047, block_bytes=2097152, budgets={**base, **window})
+        doc["pools"][0]["preempted_tokens"] = preempted
+        return facts_from_document(doc, "e")
+
+    merged = merge_ledger(metrics, {"0": rank("0", {"window_scheduled_tokens": 900, "window_iterations": 10}, 40),
+                                    "1": rank("1", {"window_scheduled_tokens": 300, "window_iterations": 9}, 7)})
+    assert (merged.budgets.window_scheduled_tokens, merged.budgets.window_iterations) == (1200, 10)
+    assert [(p.id, p.preempted_tokens) for p in merged.pools] == [("0", 40), ("1", 7)]
+    partial = merge_ledger(metrics, {"0": rank("0", {"window_scheduled_tokens": 900, "window_iterations": 10}, 0),
+                                     "1": rank("1", {}, 0)})
+    assert (partial.budgets.window_scheduled_tokens, partial.budgets.window_iterations) == (None, None)
 
 
 def _bounds(facts: EngineFacts, metrics: EngineFacts) -> None:

@@ -63,8 +63,8 @@ def dashboard() -> g.Dashboard:
             "with where each figure comes from, summed over the engines on the GPU; the dashed line is the NVML device total. "
             "The reserve is headroom, not an allocation. Repeated per GPU so one device's terms never stack on another's.",
             [
-                q(sum_by(labels("gpu", "category", "source"), sel("kvledger_gpu_budget_bytes", *IG)),
-                  "gpu {{gpu}} {{category}} ({{source}})"),
+                q(sum_by(labels("gpu", "category", "provenance"), sel("kvledger_gpu_budget_bytes", *IG)),
+                  "gpu {{gpu}} {{category}} ({{provenance}})"),
                 q(sel("kvledger_gpu_memory_total_bytes", *IG), "gpu {{gpu}} device total"),
             ],
             p.BYTES,
@@ -129,7 +129,7 @@ def dashboard() -> g.Dashboard:
     grid.add(
         p.table(
             "Budget terms by engine",
-            "Every declared term: engine, category and source (measured, configured or estimate), in bytes.",
+            "Every declared term: engine, category and provenance (measured, configured or estimate), in bytes.",
             [q(sel("kvledger_gpu_budget_bytes", *IG, ENGINE), table=True)],
             p.BYTES,
             hide=("Time", "__name__", "job"),

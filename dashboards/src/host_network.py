@@ -1,4 +1,4 @@
-"""Host and network: output buffers and queues against their limits, with the limit's kind.
+"""Host and network: output buffers and queues against their limits, with whether each limit is hard or an estimate (the label limit).
 
 This is a separate memory domain: nothing here is ever added to GPU numbers."""
 
@@ -22,11 +22,11 @@ def dashboard() -> g.Dashboard:
     grid.add(
         p.timeseries(
             "Host output buffer vs limit",
-            "Host output buffer bytes held by the engine against the buffer's limit; `kind` says whether the "
+            "Host output buffer bytes held by the engine against the buffer's limit; `limit` says whether the "
             "limit is a hard cap or an estimate.",
             [
                 q(sel("kvledger_host_buffer_bytes", *IE), "{{engine}} buffered"),
-                q(sel("kvledger_host_buffer_limit_bytes", *IE), "{{engine}} limit ({{kind}})"),
+                q(sel("kvledger_host_buffer_limit_bytes", *IE), "{{engine}} limit ({{limit}})"),
             ],
             p.BYTES,
         ),
@@ -35,7 +35,7 @@ def dashboard() -> g.Dashboard:
     grid.add(
         p.gauge(
             "Host buffer use",
-            "Host output buffer bytes over the limit (the legend names the limit's kind).",
+            "Host output buffer bytes over the limit (the legend says whether the limit is hard or an estimate).",
             [
                 q(
                     ratio(
@@ -43,7 +43,7 @@ def dashboard() -> g.Dashboard:
                         sel("kvledger_host_buffer_limit_bytes", *IE),
                         on("engine") + " group_right",
                     ),
-                    "{{engine}} ({{kind}} limit)",
+                    "{{engine}} ({{limit}} limit)",
                 )
             ],
             p.RATIO,
@@ -56,10 +56,10 @@ def dashboard() -> g.Dashboard:
         p.timeseries(
             "Application network queue depth vs limit",
             "Responses waiting to be sent in the engine's application queue against the queue's limit; "
-            "`kind` says hard cap or estimate.",
+            "`limit` says hard cap or estimate.",
             [
                 q(sel("kvledger_network_queue_depth", *IE), "{{engine}} depth"),
-                q(sel("kvledger_network_queue_limit", *IE), "{{engine}} limit ({{kind}})"),
+                q(sel("kvledger_network_queue_limit", *IE), "{{engine}} limit ({{limit}})"),
             ],
             p.COUNT,
             axis="responses",
@@ -69,7 +69,7 @@ def dashboard() -> g.Dashboard:
     grid.add(
         p.gauge(
             "Network queue use",
-            "Application network queue depth over its limit (the legend names the limit's kind).",
+            "Application network queue depth over its limit (the legend says whether the limit is hard or an estimate).",
             [
                 q(
                     ratio(
@@ -77,7 +77,7 @@ def dashboard() -> g.Dashboard:
                         sel("kvledger_network_queue_limit", *IE),
                         on("engine") + " group_right",
                     ),
-                    "{{engine}} ({{kind}} limit)",
+                    "{{engine}} ({{limit}} limit)",
                 )
             ],
             p.RATIO,

@@ -68,9 +68,9 @@ def _headroom_row(grid: p.Grid) -> None:
     grid.add(
         p.timeseries(
             "Quota headroom (capacity - reserved)",
-            "kind=quota: capacity minus reserved. Below zero the pool is overcommitted: admitted requests may "
+            "view=quota: capacity minus reserved. Below zero the pool is overcommitted: admitted requests may "
             "claim more than the pool holds.",
-            [q(sel("kvledger_kv_headroom_bytes", *EP, 'kind="quota"'), f"{EPL} quota ({{{{basis}}}})")],
+            [q(sel("kvledger_kv_headroom_bytes", *EP, 'view="quota"'), f"{EPL} quota ({{{{basis}}}})")],
             p.BYTES,
             steps=(("red", None), ("green", 0)),
             threshold_line=True,
@@ -80,9 +80,9 @@ def _headroom_row(grid: p.Grid) -> None:
     grid.add(
         p.timeseries(
             "Physical headroom (free + reclaimable)",
-            "kind=physical: free plus reclaimable unique blocks, memory a new allocation can get now. Not the "
+            "view=physical: free plus reclaimable unique blocks, memory a new allocation can get now. Not the "
             "quota headroom: a pool can have physical headroom while its quota is exhausted.",
-            [q(sel("kvledger_kv_headroom_bytes", *EP, 'kind="physical"'), f"{EPL} physical ({{{{basis}}}})")],
+            [q(sel("kvledger_kv_headroom_bytes", *EP, 'view="physical"'), f"{EPL} physical ({{{{basis}}}})")],
             p.BYTES,
         ),
         w=9,
@@ -97,6 +97,64 @@ def _headroom_row(grid: p.Grid) -> None:
             steps=(("red", None), ("orange", 1), ("green", 4)),
         ),
         w=6,
+    )
+
+
+def _saturation_row(grid: p.Grid) -> None:
+    grid.row("Saturation: which limit binds (docs/autoscaling.md)")
+    # the engine's own constraints (sequences, token_budget) carry no pool: kept whatever $pool is
+    pool_or_engine = 'pool=~"$pool|"'
+    grid.add(
+        p.timeseries(
+            "Saturation by constraint",
+            "Each limit that can stop the engine admitting work, as a share of the limit: kv_quota (reserved / "
+            "capacity), kv_physical (in use / capacity, reclaimable counted as free), sequences (running / "
+            "max_num_seqs), token_budget (scheduled tokens per iteration / max_num_batched_tokens). Only exact "
+            "values and lower bounds (an upper bound does not show a limit is reached).",
+            [
+                q(
+                    sel("kvledger_saturation_ratio", INSTANCE, ENGINE, pool_or_engine, mon.PROVEN_BASIS),
+                    "{{engine}} {{constraint}} {{pool}} ({{basis}})",
+                )
+            ],
+            p.RATIO,
+            steps=(("green", None), ("orange", 0.8), ("red", 1.0)),
+            threshold_line=True,
+        ),
+        w=10,
+    )
+    grid.add(
+        p.timeseries(
+            "Binding constraint",
+            "Per engine, the saturation of the constraint that binds now (the largest ratio among those its "
+            "admission enforces), named in the legend; the autoscaling examples scale on its mean over a "
+            "deployment's replicas.",
+            [q(sel(mon.SATURATION_BINDING.record, INSTANCE, ENGINE), "{{engine}} bound by {{constraint}}")],
+            p.RATIO,
+            steps=(("green", None), ("orange", 0.8), ("red", 1.0)),
+            threshold_line=True,
+        ),
+        w=6,
+    )
+    grid.add(
+        p.timeseries(
+            "Waiting queue trend",
+            "How fast the waiting queue grows (requests per second, deriv over 2m; below 0 it drains). A growing "
+            "queue with one constraint at its limit is what KVLedgerBoundByOneConstraint reports.",
+            [q(sel(mon.QUEUE_TREND.record, INSTANCE, ENGINE), "{{engine}}")],
+            p.PER_SECOND,
+        ),
+        w=4,
+    )
+    grid.add(
+        p.timeseries(
+            "Recompute tax",
+            "Computed tokens thrown away by preemption per second, to be recomputed (from in-engine ledgers).",
+            [q(sum_by(labels("engine", "pool"), rate(sel("kvledger_preempted_tokens_total", *EP))), EPL)],
+            p.PER_SECOND,
+            axis="tokens/s",
+        ),
+        w=4,
     )
 
 
@@ -256,10 +314,10 @@ def _tokens_row(grid: p.Grid) -> None:
             "The per-iteration budget (max_num_batched_tokens) bounds tokens computed per step, not the cache: "
             "a decode step adds one token per request while each keeps all its earlier tokens resident.",
             [
-                q(sel("kvledger_iteration_token_budget", INSTANCE, ENGINE), "{{engine}} iteration budget"),
+                q(sel("kvledger_iteration_budget_tokens", INSTANCE, ENGINE), "{{engine}} iteration budget"),
                 q(sel("kvledger_iteration_tokens", INSTANCE, ENGINE), "{{engine}} scheduled this iteration"),
                 q(sel("kvledger_kv_resident_tokens", *EP), f"{EPL} resident ({{{{basis}}}})"),
-                q(sel("kvledger_kv_token_capacity", *EP), f"{EPL} token capacity"),
+                q(sel("kvledger_kv_capacity_tokens", *EP), f"{EPL} token capacity"),
             ],
             p.COUNT,
             axis="tokens",
@@ -274,7 +332,7 @@ def _tokens_row(grid: p.Grid) -> None:
                 q(
                     ratio(
                         sel("kvledger_kv_resident_tokens", *EP),
-                        sel("kvledger_kv_token_capacity", *EP),
+                        sel("kvledger_kv_capacity_tokens", *EP),
                         "ignoring (basis) group_left",
                     ),
                     f"{EPL} ({{{{basis}}}})",
@@ -319,7 +377,7 @@ def _bounds_row(grid: p.Grid) -> None:
         p.timeseries(
             "Extra context slots",
             "Extra contexts of running requests: speculative lookahead slots and extra branches (n - 1).",
-            [q(sel("kvledger_extra_context_slots", INSTANCE, ENGINE), "{{engine}} {{kind}}")],
+            [q(sel("kvledger_extra_context_slots", INSTANCE, ENGINE), "{{engine}} {{purpose}}")],
             p.COUNT,
             axis="slots",
         ),
@@ -404,6 +462,7 @@ def dashboard() -> g.Dashboard:
     )
     _capacity_row(grid)
     _headroom_row(grid)
+    _saturation_row(grid)
     _overcommit_row(grid)
     _sharing_row(grid)
     _groups_row(grid)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import socketserver
 import threading
 from collections.abc import Callable
@@ -69,8 +70,25 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "kvledger-ledger/1"
     protocol_version = "HTTP/1.1"
 
+    def setup(self) -> None:
+        super().setup()
+        if self.connection.family in (socket.AF_INET, socket.AF_INET6):
+            # headers and body go out in two writes: without TCP_NODELAY a kept-alive client
+            # would wait for Nagle's algorithm (the body held until the headers are acknowledged)
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        cast(_Owned, self.server).owner._opened(self.connection)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            cast(_Owned, self.server).owner._closed(self.connection)
+
     def do_GET(self) -> None:
         owner = cast(_Owned, self.server).owner  # both server classes below are _Owned
+        if owner._stopping.is_set():  # stopped: a kept-alive connection gets no more answers
+            self.close_connection = True
+            return
         fault = owner.fault
         if fault == "hang":
             owner._stopping.wait(owner.hang_seconds)
@@ -147,6 +165,8 @@ class LedgerServer:
         self.fault: str | None = None
         self.hang_seconds = 60.0
         self._stopping = threading.Event()
+        self._connections: set[socket.socket] = set()  # open (kept-alive) connections, ended by stop()
+        self._connections_lock = threading.Lock()
         self.unix_path = unix_path
         if unix_path is not None:
             if os.path.exists(unix_path):
@@ -165,10 +185,26 @@ class LedgerServer:
         self._thread.start()
         return self
 
+    def _opened(self, conn: socket.socket) -> None:
+        with self._connections_lock:
+            self._connections.add(conn)
+
+    def _closed(self, conn: socket.socket) -> None:
+        with self._connections_lock:
+            self._connections.discard(conn)
+
     def stop(self) -> None:
+        """Stop listening and end every open connection (a kept-alive client sees EOF at once)."""
         self._stopping.set()
         self._server.shutdown()
         self._server.server_close()
+        with self._connections_lock:
+            open_connections = list(self._connections)
+        for conn in open_connections:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed
         self._thread.join(timeout=5)
         if self.unix_path is not None and os.path.exists(self.unix_path):
             os.unlink(self.unix_path)

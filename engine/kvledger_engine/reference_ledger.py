@@ -30,6 +30,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvledger_engine.iteration_window import IterationWindow
 from kvledger_engine.reservation import reservation_blocks
 from kvledger_engine.wire_terms import ADMISSIONS, BUDGET_CATEGORIES, LIMIT_KINDS, OUTPUT_BOUNDS, OVERFLOWS, TERM_SOURCES
 
@@ -101,6 +102,7 @@ class _Pool:
         "in_use",
         "listeners",
         "lru",
+        "preempted_tokens",
         "ref",
         "references",
         "reported_used",
@@ -121,6 +123,7 @@ class _Pool:
         self.shared = 0
         self.cached_count = 0
         self.reported_used: float | None = None
+        self.preempted_tokens = 0  # computed tokens preemption threw away (cumulative)
         self.listeners: list[CacheListener] = []
 
     def available(self) -> int:
@@ -259,6 +262,7 @@ class Ledger:
         self._reserved_blocks: dict[str, int] = {pid: 0 for pid in self._pools}  # sum of R per pool
         self._tenant_reserved: dict[str, int] = {}  # bytes, per-request rule
         self._iteration_tokens: int | None = None
+        self._window = IterationWindow()
         self._memory: list[dict[str, Any]] = []
         self._host: dict[str, Any] = {}
         self.counters = {
@@ -551,6 +555,8 @@ class Ledger:
             if req.state != "running":
                 raise LedgerError(f"request {request_id!r} is {req.state}; only running requests are preempted")
             self._drop_blocks(req)
+            # what it computed is thrown away: recomputed when it resumes (the recompute tax)
+            self._pools[req.pool].preempted_tokens += req.computed_tokens
             req.computed_tokens = 0
             req.state = "preempted"
             self.counters["preemptions"] += 1
@@ -610,8 +616,12 @@ class Ledger:
     # ------------------------------------------------------------ other figures
 
     def set_iteration_tokens(self, tokens: int | None) -> None:
+        """The tokens the engine scheduled in its latest iteration (each call one iteration,
+        also counted in the document's short window of iterations)."""
         with self._lock:
             self._iteration_tokens = tokens
+            if tokens is not None:
+                self._window.record(tokens)
 
     def set_host(self, **figures: Any) -> None:
         """Set host figures: output_buffer_bytes, output_buffer_limit_bytes, output_buffer_limit_kind,
@@ -697,6 +707,7 @@ class Ledger:
                     "references": p.references,
                     "shared": p.shared,
                     "cached_blocks": p.cached_count,
+                    "preempted_tokens": p.preempted_tokens,
                 }
                 if p.reported_used is not None:
                     pool_doc["engine_reported_used_blocks"] = p.reported_used
@@ -764,6 +775,7 @@ class Ledger:
                 "budgets": {
                     "max_num_batched_tokens": self.max_num_batched_tokens,
                     "iteration_tokens": self._iteration_tokens,
+                    **self._window.budgets(),
                     "max_num_seqs": self.max_num_seqs,
                     "max_model_len": self.max_model_len,
                 },

@@ -15,9 +15,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
-from kvledger import __version__
+from kvledger import __version__, version_text
 from kvledger.collect.collector import Collector
 from kvledger.collect.memory import limit_malloc_arenas
 from kvledger.collect.sources.base import Source
@@ -380,7 +380,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
         given = {k: v for k, v in (("capacity", args.capacity), ("working_set", args.working_set)) if v is not None}
         return serve_lab(args.listen or LAB_LISTEN, args.web_config_file, f"?{urlencode(given)}" if given else "")
     if args.listen or args.web_config_file:
-        print("kvledger lab: --listen and --web.config.file go with --serve", file=sys.stderr)
+        print("kvledger lab: --web.listen-address and --web.config.file go with --serve", file=sys.stderr)
         return 2
     if args.capacity is None or args.working_set is None:
         print("kvledger lab: --capacity and --working-set are required (or --serve for the interactive page)",
@@ -494,11 +494,11 @@ PLAN_HELP = (
 )
 
 
-def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     from kvledger.tools.plan import GPUS
 
     pl = sub.add_parser("plan", help="validate a deployment's memory budget at its maximum shapes before it serves",
-                        description=PLAN_HELP)
+                        description=PLAN_HELP, parents=[common])
     pl.add_argument("model_config", nargs="?", metavar="CONFIG_JSON", help="the model's Hugging Face config.json")
     pl.add_argument("--from", dest="from_url", metavar="URL",
                     help="a running kvledger's JSON view (/api/v1/accounts) or /metrics, instead of a model config")
@@ -553,58 +553,152 @@ LAB_HELP = (
 )
 
 
+# ---------------------------------------------------------------- logs, as Prometheus exporters write them
+
+#: --log.level values (Prometheus' names; "warning" is kept for the older --log-level spelling)
+LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING, "warning": logging.WARNING,
+              "error": logging.ERROR}
+_LEVEL_NAMES = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warn", logging.ERROR: "error",
+                logging.CRITICAL: "error"}
+
+
+def _log_fields(record: logging.LogRecord) -> list[tuple[str, str]]:
+    """time, level, logger, msg and (when an exception is logged) err: the fields of one line."""
+    when = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
+    fields = [("time", when), ("level", _LEVEL_NAMES.get(record.levelno, record.levelname.lower())),
+              ("logger", record.name), ("msg", record.getMessage())]
+    if record.exc_info:
+        fields.append(("err", logging.Formatter().formatException(record.exc_info)))
+    return fields
+
+
+_LOGFMT_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _logfmt_value(value: str) -> str:
+    """A value as is when it needs no quotes, else quoted with \\, \\", \\n, \\r, \\t and \\uXXXX escapes
+    (an engine's text never writes a terminal control sequence or a second line into the log)."""
+    if value and not any(c in value for c in ' ="\\') and value.isprintable():
+        return value
+    return '"' + "".join(_LOGFMT_ESCAPES.get(c) or (c if c.isprintable() else f"\\u{ord(c):04x}") for c in value) + '"'
+
+
+class LogfmtFormatter(logging.Formatter):
+    """``time=... level=info logger=kvledger msg="..."``: one line per record, quoted and
+    escaped where needed (a multi-line traceback stays on its line)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return " ".join(f"{k}={_logfmt_value(v)}" for k, v in _log_fields(record))
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line, with the fields of the logfmt line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return json.dumps(dict(_log_fields(record)), ensure_ascii=False)
+
+
+class _KvledgerHandler(logging.StreamHandler[TextIO]):
+    """The handler ``configure_logging`` installs (and replaces when called again)."""
+
+
+def configure_logging(level: str, log_format: str) -> None:
+    """Log to stderr at ``level`` in ``log_format``. Like logging.basicConfig, it leaves a
+    root logger that someone else has already given handlers (an embedding program, pytest
+    running main() in its process) as it is."""
+    root = logging.getLogger()
+    ours = [h for h in root.handlers if isinstance(h, _KvledgerHandler)]
+    if len(ours) < len(root.handlers):
+        return
+    for old in ours:
+        root.removeHandler(old)
+    handler = _KvledgerHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else LogfmtFormatter())
+    root.addHandler(handler)
+    root.setLevel(LOG_LEVELS[level])
+
+
+def _add_log_flags(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """--log.level and --log.format, given before or after the subcommand (the subcommand's
+    own copies default to nothing, so they never undo what the top level set)."""
+    parser.add_argument("--log.level", "--log-level", dest="log_level", choices=tuple(LOG_LEVELS),
+                        default="info" if top else argparse.SUPPRESS, metavar="LEVEL",
+                        help="only log messages of this level or above: debug, info, warn, error (default info)")
+    parser.add_argument("--log.format", dest="log_format", choices=("logfmt", "json"),
+                        default="logfmt" if top else argparse.SUPPRESS,
+                        help="output format of log messages: logfmt or json (default logfmt)")
+
+
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0,
+                         help="print the version, revision and build date, and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        print(version_text())
+        parser.exit()
+
+
+def _add_web_flags(parser: argparse.ArgumentParser, listen_help: str, *, listen_default: str | None = None,
+                   web_help: str = "exporter-toolkit web-config.yml: TLS and basic auth") -> None:
+    parser.add_argument("--web.listen-address", "--listen", dest="listen", default=listen_default, metavar="HOST:PORT",
+                        help=f"address to listen on for the web interface and /metrics ({listen_help}); "
+                             "--listen is the older spelling")
+    parser.add_argument("--web.config.file", dest="web_config_file", metavar="PATH", help=web_help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvledger", description="KV-cache accounting exporter for LLM inference servers.")
-    p.add_argument("--version", action="version", version=f"kvledger {__version__}")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--version", action=_VersionAction)
+    _add_log_flags(p, top=True)
+    common = argparse.ArgumentParser(add_help=False)
+    _add_log_flags(common, top=False)
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="run the exporter on a configuration file")
+    s = sub.add_parser("serve", help="run the exporter on a configuration file", parents=[common])
     s.add_argument("--config", required=True)
-    s.add_argument("--listen", help="HOST:PORT (overrides the config's listen)")
-    s.add_argument("--web.config.file", dest="web_config_file", metavar="PATH",
-                   help="exporter-toolkit web-config.yml: TLS and basic auth (overrides web_config_file)")
+    _add_web_flags(s, "overrides the config's listen",
+                   web_help="exporter-toolkit web-config.yml: TLS and basic auth (overrides web_config_file)")
     s.set_defaults(func=cmd_serve)
 
-    d = sub.add_parser("demo", help="simulated engines and GPUs, exported live; no GPU or engine needed")
-    d.add_argument("--listen", default=DEMO_LISTEN, help=f"HOST:PORT (default {DEMO_LISTEN})")
+    d = sub.add_parser("demo", help="simulated engines and GPUs, exported live; no GPU or engine needed", parents=[common])
+    _add_web_flags(d, f"default {DEMO_LISTEN}", listen_default=DEMO_LISTEN)
     d.add_argument("--fault", action="append", default=[], metavar="[ENGINE=]MODE",
                    help="inject a fault into the simulator (repeatable): none, reserve-overcommit (sim-tgi), "
                         "per-request-used, leak, overflow (sim-vllm); ENGINE=MODE picks the engine")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--web.config.file", dest="web_config_file", metavar="PATH",
-                   help="exporter-toolkit web-config.yml: TLS and basic auth")
     d.add_argument("--interval", type=float, default=1.0, help="poll interval in seconds")
     d.add_argument("--sharing", default="per-request", choices=("per-request", "reference-aware"))
     d.set_defaults(func=cmd_demo)
 
-    sn = sub.add_parser("snapshot", help="poll every source once and print the accounts; non-zero if a source failed")
+    sn = sub.add_parser("snapshot", help="poll every source once and print the accounts; non-zero if a source failed",
+                        parents=[common])
     sn.add_argument("--config", required=True)
     sn.add_argument("--json", action="store_true")
     sn.set_defaults(func=cmd_snapshot)
 
-    c = sub.add_parser("check", help="validate the configuration and probe every source")
+    c = sub.add_parser("check", help="validate the configuration and probe every source", parents=[common])
     c.add_argument("--config", required=True)
     c.set_defaults(func=cmd_check)
 
     lab = sub.add_parser("lab", help="cache lab: a working set fitting or failing to fit an LRU capacity",
-                         description=LAB_HELP)
+                         description=LAB_HELP, parents=[common])
     lab.add_argument("--capacity", type=int, metavar="C", help="LRU capacity (required unless --serve)")
     lab.add_argument("--working-set", type=int, metavar="S", help="repeating identifiers 0..S-1 (required unless --serve)")
     lab.add_argument("--requests", type=int, default=16, metavar="N", help="requests to replay (default 16, at most 4096)")
     lab.add_argument("--serve", action="store_true", help="serve the interactive lab page instead of printing a run")
-    lab.add_argument("--listen", help=f"HOST:PORT of the page, with --serve (default {LAB_LISTEN})")
-    lab.add_argument("--web.config.file", dest="web_config_file", metavar="PATH",
-                     help="exporter-toolkit web-config.yml: TLS and basic auth, with --serve")
+    _add_web_flags(lab, f"the page, with --serve; default {LAB_LISTEN}",
+                   web_help="exporter-toolkit web-config.yml: TLS and basic auth, with --serve")
     lab.set_defaults(func=cmd_lab)
 
-    _add_plan_parser(sub)
+    _add_plan_parser(sub, common)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     try:
         return int(args.func(args))
     except ConfigError as exc:

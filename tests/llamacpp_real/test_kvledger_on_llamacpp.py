@@ -270,8 +270,8 @@ def test_a_frozen_busy_moment_matches_exactly(setup: Setup) -> None:
                   "the frozen moment in the daemon")
         sel = {"engine": "llama", "pool": POOL}
         assert s.get("kvledger_kv_reserved_blocks", **sel, basis="exact") == want["reserved"] == want["running"] * SLOT_CTX
-        assert s.get("kvledger_kv_headroom_bytes", **sel, kind="quota", basis="exact") == (CTX_SIZE - want["reserved"]) * BYTES_PER_TOKEN
-        assert s.get("kvledger_kv_headroom_bytes", **sel, kind="physical", basis="exact") == (CTX_SIZE - want["in_use"]) * BYTES_PER_TOKEN
+        assert s.get("kvledger_kv_headroom_bytes", **sel, view="quota", basis="exact") == (CTX_SIZE - want["reserved"]) * BYTES_PER_TOKEN
+        assert s.get("kvledger_kv_headroom_bytes", **sel, view="physical", basis="exact") == (CTX_SIZE - want["in_use"]) * BYTES_PER_TOKEN
         assert s.get("kvledger_admission_headroom_requests", **sel, basis="exact") == SLOTS - want["running"]
         assert s.get("kvledger_kv_in_use_bytes", **sel, basis="exact") == want["in_use"] * BYTES_PER_TOKEN
         assert s.get("kvledger_ledger_invariant_violations_total", engine="llama") is None

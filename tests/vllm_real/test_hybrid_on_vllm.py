@@ -112,7 +112,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     log = tmp_path_factory.mktemp(f"vllm-{hybrid.arch}-log") / "vllm.log"
     recount = Path(tempfile.mkdtemp(prefix="kvl-recount-")) / "recount.sock"
     server = VllmServer(
-        model_dir, free_tcp_port(), free_tcp_port(), free_tcp_port(), log_path=log,
+        model_dir, free_tcp_port(), free_tcp_port(), free_tcp_port(), log_path=log, startup_timeout=300.0,
         extra_args=("--kv-cache-memory-bytes", str(KV_CACHE_MEMORY_BYTES),
                     "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS), *hybrid.extra_args),
         extra_env={"PYTHONPATH": str(HERE / "recount_plugin"), "KVLEDGER_TEST_RECOUNT": str(recount)},
@@ -253,6 +253,7 @@ class LedgerPoint:
     recount: dict[str, Any]
     usage_blocks: float
     scrape: Scrape
+    stock: Scrape  # a daemon reading the same engine without the ledger: /metrics and KV events
 
     @property
     def pool(self) -> dict[str, Any]:
@@ -277,7 +278,7 @@ class LedgerRecord:
     idle_after: LedgerPoint
 
 
-def capture_point(label: str, server: VllmServer, daemon_url: str) -> LedgerPoint:
+def capture_point(label: str, server: VllmServer, daemon_url: str, stock_url: str) -> LedgerPoint:
     """The ledger, the recount, vLLM's gauge and a daemon poll at one frozen point."""
     text = server.metrics_text()
     for _ in range(25):  # outputs in flight applied: two reads agree
@@ -292,18 +293,15 @@ def capture_point(label: str, server: VllmServer, daemon_url: str) -> LedgerPoin
     recount = read_recount(server)
     scrape = wait_for_scrape(daemon_url, lambda s: polled_after(since)(s) and s.up("ledger") == 1, 20,
                              "a poll of vLLM and its ledger inside the pause")
+    stock = wait_for_scrape(stock_url, lambda s: polled_after(since)(s) and s.up("kv_events") == 1, 20,
+                            "a poll of vLLM and its KV events inside the pause (no ledger)")
     later = server.ledger_document()
     assert later["pools"] == doc["pools"] and later["requests"] == doc["requests"], f"{label}: the ledger moved while paused"
-    return LedgerPoint(label, doc, recount, usage_blocks(text, usable), scrape)
+    return LedgerPoint(label, doc, recount, usage_blocks(text, usable), scrape, stock)
 
 
-@pytest.fixture(scope="module")
-def hybrid_daemon(served: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    work = tmp_path_factory.mktemp(f"kvledger-{served.hybrid.arch}")
-    config = work / "kvledger.yaml"
-    server = served.server
-    config.write_text(
-        f"""\
+def _daemon_config(server: VllmServer, ledger: bool) -> str:
+    return f"""\
 interval_seconds: 0.2
 nvml: {{enabled: false}}
 engines:
@@ -311,19 +309,37 @@ engines:
     kind: vllm
     url: {server.metrics_url}
     timeout_seconds: 5
-    ledger: {server.ledger_url}
+    max_model_len: {MAX_MODEL_LEN}  # vLLM does not export it: the stock bound needs it
+{f"    ledger: {server.ledger_url}" if ledger else ""}
     kv_events: {server.events_url}
     kv_events_replay: {server.replay_url}
 """
-    )
+
+
+@pytest.fixture(scope="module")
+def hybrid_daemon(served: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    work = tmp_path_factory.mktemp(f"kvledger-{served.hybrid.arch}")
+    config = work / "kvledger.yaml"
+    config.write_text(_daemon_config(served.server, ledger=True))
     with run_serve(work, config) as d:
         wait_for_scrape(d.url, lambda s: s.up("ledger") == 1, 60, "the ledger source up")
         yield d
 
 
 @pytest.fixture(scope="module")
-def ledger_record(served: Served, hybrid_daemon: Daemon) -> LedgerRecord:
-    server, url = served.server, hybrid_daemon.url
+def stock_daemon(served: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """The same engine read the stock way: /metrics and KV events, no ledger."""
+    work = tmp_path_factory.mktemp(f"kvledger-stock-{served.hybrid.arch}")
+    config = work / "kvledger.yaml"
+    config.write_text(_daemon_config(served.server, ledger=False))
+    with run_serve(work, config) as d:
+        wait_for_scrape(d.url, lambda s: s.up("kv_events") == 1, 60, "the kv_events source up")
+        yield d
+
+
+@pytest.fixture(scope="module")
+def ledger_record(served: Served, hybrid_daemon: Daemon, stock_daemon: Daemon) -> LedgerRecord:
+    server, url, stock = served.server, hybrid_daemon.url, stock_daemon.url
     prefix_n, suffix_n, max_tokens, concurrent = BURSTS[served.hybrid.arch]
     prefix = shared_prefix_ids(prefix_n)
     prompts = [words(prefix + unique_suffix_ids(i, suffix_n)) for i in range(concurrent)]
@@ -339,7 +355,7 @@ def ledger_record(served: Served, hybrid_daemon: Daemon) -> LedgerRecord:
             server.resume()
             time.sleep(SLICE)
             server.pause()
-            points.append(capture_point(f"point {len(points) + 1}", server, url))
+            points.append(capture_point(f"point {len(points) + 1}", server, url, stock))
     finally:
         server.resume()
     for w in workers:
@@ -357,7 +373,7 @@ def ledger_record(served: Served, hybrid_daemon: Daemon) -> LedgerRecord:
         server.resume()
         time.sleep(SLICE)
         server.pause()
-        hit = capture_point("prefix hit", server, url)
+        hit = capture_point("prefix hit", server, url, stock)
     finally:
         server.resume()
     again.join(300)
@@ -366,7 +382,7 @@ def ledger_record(served: Served, hybrid_daemon: Daemon) -> LedgerRecord:
     hits_after = prefix_hits(server.metrics_text())
     server.pause()
     try:
-        idle = capture_point("idle after", server, url)
+        idle = capture_point("idle after", server, url, stock)
     finally:
         server.resume()
     record = LedgerRecord(points, hit, hits_before, hits_after, idle)
@@ -460,3 +476,29 @@ def test_a_prefix_hit_holds_only_the_window_or_the_state(served: Served, ledger_
     else:
         state = tables[0]
         assert state["entries"] - state["null"] <= 2, tables  # align mode: at most two state blocks
+
+
+def test_without_the_ledger_the_events_name_the_groups_and_the_bound_covers_every_group(
+    served: Served, ledger_record: LedgerRecord
+) -> None:
+    """The stock path on the same engine: the groups from the KV events' group_idx and
+    kv_cache_spec_kind (once a group has stored a block), and a reservation bound at least
+    what the ledger states exactly for the running requests at every point, before the events
+    name the groups too (vLLM's own per-request sizing, kv_cache_max_concurrency)."""
+    expected = ([("0", "sliding_window", str(WINDOW)), ("1", "sliding_window", str(WINDOW)), ("2", "full_attention", "")]
+                if served.hybrid.arch == "gemma3" else [("0", "mamba", ""), ("1", "full_attention", "")])  # fmt: skip
+    named = 0
+    for p in ledger_record.points:
+        s = p.stock
+        info = sorted((lab["group"], lab["layer_type"], lab["window_tokens"]) for lab, _ in
+                      s.find("kvledger_kv_group_info", engine=ENGINE, pool="0"))  # fmt: skip
+        if info:
+            assert info == expected, p.describe()
+            named += 1
+        bound = s.by_basis("kvledger_kv_reserved_blocks")
+        assert set(bound) == {"upper_bound"}, (bound, p.describe())
+        b, groups = p.pool["block_size"], p.pool["groups"]
+        exact = sum(max(sum(group_reservation(g, r, b) for g in groups), r["blocks_held"]) for r in p.rows("running"))
+        assert bound["upper_bound"] >= exact, (bound, exact, p.describe())
+        assert bound["upper_bound"] >= p.pool["blocks"]["in_use"]
+    assert named >= 1, "the KV events never named the groups"

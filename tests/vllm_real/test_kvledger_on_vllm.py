@@ -448,7 +448,7 @@ def test_pool_geometry_and_config(burst: BurstRecord) -> None:
     assert s.get("kvledger_kv_capacity_blocks", engine=ENGINE, pool=POOL) == USABLE_BLOCKS
     assert s.get("kvledger_kv_capacity_bytes", engine=ENGINE, pool=POOL) == USABLE_BLOCKS * BLOCK_BYTES
     assert s.get("kvledger_kv_block_size_tokens", engine=ENGINE, pool=POOL) == BLOCK_SIZE
-    assert s.get("kvledger_kv_token_capacity", engine=ENGINE, pool=POOL) == USABLE_BLOCKS * BLOCK_SIZE
+    assert s.get("kvledger_kv_capacity_tokens", engine=ENGINE, pool=POOL) == USABLE_BLOCKS * BLOCK_SIZE
     assert s.get("kvledger_max_model_len_tokens", engine=ENGINE) == MAX_MODEL_LEN
     assert s.get("kvledger_max_running_requests", engine=ENGINE) == MAX_NUM_SEQS
     assert s.get("kvledger_engine_info", engine=ENGINE, kind="vllm", source="vllm") == 1
@@ -565,7 +565,7 @@ def test_startup_log_memory_terms(vllm_server: VllmServer, daemon: Daemon, burst
     s = burst.idle
     measured = {
         (lab["category"], v)
-        for lab, v in s.find("kvledger_gpu_budget_bytes", engine=ENGINE, source="measured")
+        for lab, v in s.find("kvledger_gpu_budget_bytes", engine=ENGINE, provenance="measured")
     }
     assert measured == expected
     assert s.up("log") == (1 if expected else 0)

@@ -110,6 +110,7 @@ class LedgerDocument:
         self._changed: set[str] = set()
         self._summary: PoolSummary | None = None
         self._budgets: dict[str, int] = {}
+        self._pool_counters: dict[str, int] = {}
         self._version = 0
         self._published_at: float | None = None
         self._stats: dict[str, Any] = {}
@@ -127,8 +128,10 @@ class LedgerDocument:
         rows: dict[str, RequestRow],
         gone: set[str],
         stats: dict[str, Any],
+        pool_counters: dict[str, int] | None = None,
     ) -> None:
         with self._lock:
+            self._pool_counters = dict(pool_counters or {})
             self._rows.update(rows)
             for rid in gone:
                 self._rows.pop(rid, None)
@@ -234,7 +237,7 @@ class LedgerDocument:
         fragments: Any,
     ) -> str:
         pool = self._pool
-        pool_doc = {
+        pool_doc: dict[str, Any] = {
             "id": pool.id,
             "block_size": pool.block_size,
             "block_bytes": pool.block_bytes,
@@ -243,6 +246,7 @@ class LedgerDocument:
             "blocks": {"in_use": summary.in_use, "reclaimable": summary.reclaimable, "free": summary.free},
             "references": summary.references,
             "shared": summary.shared,
+            **self._pool_counters,
         }
         if pool.groups:
             # one stated group (a chunked or state layer type alone) holds every block in use

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvledger_engine.document_server import LedgerServer
+from kvledger_engine.iteration_window import IterationWindow
 from kvledger_engine.vllm.document import LedgerDocument, RequestRow
 from kvledger_engine.vllm.internals import EngineView, step_facts
 from kvledger_engine.vllm.settings import DP_PLACEHOLDER, ENV_LEDGER, Settings
@@ -76,6 +77,8 @@ class EngineLedger:
         self.throttle = Throttle(settings.min_interval)
         self.known: set[str] = set()
         self.iteration_tokens: int | None = None
+        self.window = IterationWindow()
+        self.preempted_tokens = 0  # computed tokens the engine's preemptions threw away (cumulative)
         self.publications = 0
         self.publish_seconds = 0.0
         self._render_seen = 0.0
@@ -128,7 +131,17 @@ class EngineLedger:
             os.close(claim)
 
     # ---------------------------------------------------------------- hooks (engine thread)
-    def after_schedule(self, output: Any) -> None:
+    def before_schedule(self) -> dict[str, int] | None:
+        """The running requests' computed tokens ahead of a step (None when off)."""
+        if not self.on:
+            return None
+        try:
+            return self.view.running_computed()
+        except Exception as exc:
+            self.fail("before a scheduling step", exc)
+            return None
+
+    def after_schedule(self, output: Any, before: dict[str, int] | None = None) -> None:
         if not self.on:
             return
         try:
@@ -140,6 +153,9 @@ class EngineLedger:
             if preempted:
                 touched.update(preempted)
             self.iteration_tokens = tokens
+            self.window.record(tokens)
+            if before:
+                self.preempted_tokens += self.view.preempted_tokens(before)
             if self.throttle.due(idle=self.view.is_idle()):
                 self.publish()
         except Exception as exc:
@@ -231,7 +247,8 @@ class EngineLedger:
             "publish_seconds_total": round(self.publish_seconds, 6),
             "resyncs": pool.resyncs,
         }
-        self.document.publish(pool.summary(), view.budgets(self.iteration_tokens), rows, gone, stats)
+        budgets = {**view.budgets(self.iteration_tokens), **self.window.budgets()}
+        self.document.publish(pool.summary(), budgets, rows, gone, stats, {"preempted_tokens": self.preempted_tokens})
         # the document thread's rendering holds the interpreter too: count it against the budget
         self.throttle.published(started, cost + (render - self._render_seen))
         self._render_seen = render

@@ -290,6 +290,22 @@ class EngineView:
         """The ids of the scheduler's running requests."""
         return [r.request_id for r in self.scheduler.running]
 
+    def running_computed(self) -> dict[str, int]:
+        """Each running request's computed tokens, by id (before a step: what a preemption
+        in the step throws away, as vLLM zeroes the count when it preempts)."""
+        return {r.request_id: r.num_computed_tokens for r in self.scheduler.running}
+
+    def preempted_tokens(self, before: dict[str, int]) -> int:
+        """Computed tokens of the requests of ``before`` (``running_computed`` ahead of a
+        step) that the step preempted: those running then and preempted now."""
+        requests, preempted = self.requests, self._preempted
+        total = 0
+        for rid, computed in before.items():
+            request = requests.get(rid)
+            if request is not None and request.status == preempted:
+                total += int(computed)
+        return total
+
     def read_request(self, rid: str, assign: Callable[[int, int], None] | None = None) -> RequestRow | None:
         """The row of request ``rid``, or None when the engine no longer has it; with
         ``assign``, every block newly in one of its block tables is passed to it with its
@@ -325,13 +341,19 @@ class EngineView:
                 held += len(blocks)
                 continue
             # window, chunk and state groups null the blocks they no longer need, from the
-            # front (by identity: list.count would compare block records field by field)
+            # front (by identity: list.count would compare block records field by field); the
+            # null prefix only grows, so each publication reads only where it ends
             start = seen[2]
             end = len(blocks)
             while start < end and blocks[start] is null:
                 start += 1
             seen[2] = start
-            held += sum(1 for b in blocks[start:] if b is not null)
+            if self.group_kinds[g] == "mamba":
+                # a state group may null a block behind a later real one (vLLM frees the state
+                # of two steps ago): count the few entries past the prefix
+                held += sum(1 for b in blocks[start:] if b is not null)
+            else:
+                held += end - start  # a window or chunk: real blocks from the first one on
         if status == self._running:
             state = "running"
         elif status == self._preempted:

@@ -75,10 +75,11 @@ class LedgerHooks:
     _kvledger: Any = None
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().schedule(*args, **kwargs)  # type: ignore[misc]  # the scheduler class this mixin is put before
         ledger = self._kvledger
+        before = ledger.before_schedule() if ledger is not None else None
+        output = super().schedule(*args, **kwargs)  # type: ignore[misc]  # the scheduler class this mixin is put before
         if ledger is not None:
-            ledger.after_schedule(output)
+            ledger.after_schedule(output, before)
         return output
 
     def add_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:

@@ -35,6 +35,8 @@ from kvledger.config.model import (
     MAX_TIMEOUT,
     MIN_INTERVAL,
     MIN_TIMEOUT,
+    AuthorizationConfig,
+    BasicAuthConfig,
     Config,
     ConfigError,
     EngineConfig,
@@ -45,8 +47,10 @@ from kvledger.config.model import (
     ModelDerivation,
     NvmlConfig,
     ProcessMatch,
+    Secret,
     SizeWithSource,
     TenantConfig,
+    TlsClientConfig,
 )
 from kvledger.model.facts import (
     ADMISSIONS,
@@ -330,6 +334,91 @@ def _limit(r: _Reader, key: str, conv: Callable[[Any], float]) -> LimitConfig | 
     return LimitConfig(float(r.get(key, conv, 0)), "hard")
 
 
+def _secret(value: Any) -> Secret:
+    """A credential: a non-empty one-line string. Errors never show the value."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"expected a non-empty string, got {type(value).__name__} (the value is not shown)")
+    if any(c in value for c in "\r\n\x00"):
+        raise ValueError("must be one line (the value is not shown)")
+    return Secret(value)
+
+
+def _auth_type(value: Any) -> str:
+    if not isinstance(value, str) or not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", value):
+        raise ValueError(f"expected an HTTP authentication scheme such as Bearer, got {_brief(value)}")
+    if value.lower() == "basic":
+        raise ValueError("type Basic is basic_auth's: give basic_auth: {username, password} instead")
+    return value
+
+
+def _username(value: Any) -> str:
+    name = _str(value)
+    if ":" in name or any(c in name for c in "\r\n\x00"):
+        raise ValueError("a basic_auth username holds no colon and no line break")
+    return name
+
+
+def _file_in(base: Path | None) -> Callable[[Any], str]:
+    """A path to a readable file, relative to the configuration file's directory."""
+
+    def conv(value: Any) -> str:
+        path = Path(_str(value))
+        if base is not None and not path.is_absolute():
+            path = base / path
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise ValueError(f"cannot read {path}: {exc.strerror or type(exc).__name__}") from None
+        return str(path)
+
+    return conv
+
+
+def _client_auth(r: _Reader, url: str) -> tuple[AuthorizationConfig | None, BasicAuthConfig | None, TlsClientConfig | None]:
+    """An engine's authorization, basic_auth and tls_config, checked as Prometheus checks a
+    scrape_config's: at most one way to authenticate, a credential or its file (not both),
+    a client certificate with its key; every file readable, the TLS ones loadable."""
+    from kvledger.collect.engine_tls import client_ssl_context
+
+    base = Path(r.file).parent if r.file != "<config>" else None
+    authorization = None
+    if (a := r.child("authorization", ("type", "credentials", "credentials_file"))) is not None:
+        authorization = AuthorizationConfig(a.get("type", _auth_type, "Bearer"), a.get("credentials", _secret, None),
+                                            a.get("credentials_file", _file_in(base), None))
+        a.finish()
+        if (authorization.credentials is None) == (authorization.credentials_file is None):
+            raise a.error("give one of credentials and credentials_file")
+    basic = None
+    if (b := r.child("basic_auth", ("username", "password", "password_file"))) is not None:
+        basic = BasicAuthConfig(b.require("username", _username), b.get("password", _secret, None),
+                                b.get("password_file", _file_in(base), None))
+        b.finish()
+        if basic.password is not None and basic.password_file is not None:
+            raise b.error("give password or password_file, not both")
+    if authorization is not None and basic is not None:
+        raise r.error("give authorization or basic_auth, not both")
+    if (authorization is not None or basic is not None) and re.match(r"^[a-z]+://[^/@]*@", url):
+        raise r.error("the url carries credentials (user:password@) and so does "
+                      f"{'authorization' if authorization is not None else 'basic_auth'}: give one", "url")
+    tls = None
+    keys = ("ca_file", "cert_file", "key_file", "server_name", "insecure_skip_verify")
+    if (c := r.child("tls_config", keys)) is not None:
+        tls = TlsClientConfig(c.get("ca_file", _file_in(base), None), c.get("cert_file", _file_in(base), None),
+                              c.get("key_file", _file_in(base), None), c.get("server_name", _str, None),
+                              c.get("insecure_skip_verify", _bool, False))
+        c.finish()
+        if (tls.cert_file is None) != (tls.key_file is None):
+            raise c.error("cert_file and key_file go together (a client certificate and its key)")
+        if not url.startswith("https://"):
+            raise c.error("applies to https:// URLs; the url is not one")
+        try:
+            client_ssl_context(tls)
+        except ValueError as exc:
+            raise c.error(str(exc)) from None
+    return authorization, basic, tls
+
+
 _MEMORY_KEYS = {
     "weights_bytes": "weights",
     "workspace_bytes": "workspace",
@@ -350,6 +439,7 @@ def _engine(r: _Reader, names: set[str]) -> EngineConfig:
     if foreign:
         raise r.error(", ".join(f"{k} is for kind {owners[k]} only" for k in foreign) + f" (this engine is kind {kind})")
     url = r.require("url", _url)
+    authorization, basic_auth, tls_config = _client_auth(r, url)
     model = None
     if (m := r.child("model", ("config", "kv_dtype", "tensor_parallel"))) is not None:
         model = ModelDerivation(
@@ -416,6 +506,9 @@ def _engine(r: _Reader, names: set[str]) -> EngineConfig:
         host=host,
         tenants=tuple(tenants),
         max_response_bytes=r.get("max_response_bytes", _response_limit, DEFAULT_MAX_RESPONSE_BYTES),
+        authorization=authorization,
+        basic_auth=basic_auth,
+        tls_config=tls_config,
     )
     r.finish()
     return out

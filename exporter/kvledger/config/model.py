@@ -82,6 +82,65 @@ class MemoryConfig:
     terms: Mapping[str, SizeWithSource] = field(default_factory=dict)
 
 
+class Secret(str):
+    """A credential read from the configuration: a str whose repr and str never show it
+    (a configuration or an engine entry printed or logged names it ``<secret>``); the value
+    is ``reveal()``, for the request header alone."""
+
+    __slots__ = ()
+
+    def reveal(self) -> str:
+        return str.__str__(self)
+
+    def __repr__(self) -> str:
+        return "<secret>"
+
+    def __str__(self) -> str:
+        return "<secret>"
+
+    def __format__(self, spec: str) -> str:
+        return "<secret>"
+
+
+@dataclass(frozen=True)
+class AuthorizationConfig:
+    """Prometheus scrape_config's ``authorization``: ``Authorization: TYPE CREDENTIALS``."""
+
+    type: str = "Bearer"
+    credentials: Secret | None = None
+    credentials_file: str | None = None  # read at every request, trailing whitespace dropped (rotation)
+
+
+@dataclass(frozen=True)
+class BasicAuthConfig:
+    """Prometheus scrape_config's ``basic_auth``."""
+
+    username: str
+    password: Secret | None = None
+    password_file: str | None = None  # read at every request, trailing whitespace dropped (rotation)
+
+
+@dataclass(frozen=True)
+class TlsClientConfig:
+    """Prometheus scrape_config's ``tls_config`` for https:// engines."""
+
+    ca_file: str | None = None  # else the system's CAs
+    cert_file: str | None = None  # a client certificate (mTLS), with key_file
+    key_file: str | None = None
+    server_name: str | None = None  # SNI and the name the certificate must carry, else the URL's host
+    insecure_skip_verify: bool = False
+
+
+@dataclass(frozen=True)
+class ClientAuth:
+    """What an engine's HTTP sources present: at most one of authorization and basic_auth,
+    and the TLS settings of https:// URLs."""
+
+    authorization: AuthorizationConfig | None = None
+    basic_auth: BasicAuthConfig | None = None
+    tls_config: TlsClientConfig | None = None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     name: str
@@ -103,6 +162,17 @@ class EngineConfig:
     host: HostConfig = field(default_factory=HostConfig)
     tenants: tuple[TenantConfig, ...] = ()
     max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
+    #: how its HTTP sources authenticate and verify the engine (Prometheus scrape_config's keys)
+    authorization: AuthorizationConfig | None = None
+    basic_auth: BasicAuthConfig | None = None
+    tls_config: TlsClientConfig | None = None
+
+    @property
+    def client_auth(self) -> ClientAuth | None:
+        """The engine's authentication and TLS settings for its HTTP clients; None when it has none."""
+        if self.authorization is None and self.basic_auth is None and self.tls_config is None:
+            return None
+        return ClientAuth(self.authorization, self.basic_auth, self.tls_config)
 
     def option(self, name: str) -> str | None:
         """The value of one of the kind's own keys, or None when not configured."""

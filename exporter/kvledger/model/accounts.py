@@ -58,6 +58,8 @@ class PoolAccount:
     # in_use / capacity and reserved / capacity: one basis-consistent usage gauge per kind
     physical_utilization: Measure | None = None
     quota_utilization: Measure | None = None
+    # kv_quota and kv_physical saturation (policy/saturation.py), by constraint
+    saturation: dict[str, Measure] = field(default_factory=dict)
     # the KV-cache groups sharing the pool (hybrid models); empty for a one-group pool
     groups: tuple[GroupAccount, ...] = ()
 
@@ -84,6 +86,11 @@ class EngineAccount:
     extra_context_slots: dict[str, int]  # speculative, branch
     tenants: list[TenantAccount]
     invariant_violations: list[str]  # checks violated in this snapshot
+    # the engine's own constraints' saturation (sequences, token_budget), by constraint
+    saturation: dict[str, Measure] = field(default_factory=dict)
+    # the constraint that binds now and those that took part (policy/saturation.py)
+    binding: str | None = None
+    binding_candidates: frozenset[str] = frozenset()
 
     @property
     def name(self) -> str:

@@ -136,11 +136,18 @@ class PoolFacts:
     # Admitted requests known only as a count (when individual requests are unknown):
     # the policy bounds reservations with it.
     running_requests: int | None = None
+    # Computed tokens the engine threw away by preempting requests of this pool (cumulative:
+    # they must be recomputed); None: unknown.
+    preempted_tokens: int | None = None
     # Number of layer groups sharing this pool (hybrid models); token capacity = C // groups * B.
     layer_groups: int = 1
     # The KV-cache groups sharing this pool, when the engine states them (hybrid models):
     # R(r) is then the sum of every group's reservation (docs/design.md, "Hybrid models").
     groups: tuple[KvGroupFacts, ...] = ()
+    # Blocks one request at max_model_len takes, as the engine itself sizes it (vLLM:
+    # num_gpu_blocks / kv_cache_max_concurrency, summed over its KV-cache groups): the
+    # reservation bound from a count of running requests takes at least this per request.
+    engine_request_blocks: int | None = None
     # Checks the source found violated by this poll's raw values, which it therefore left
     # unknown (e.g. vLLM's KV usage outside [0, 1]); the policy counts them as invariant
     # violations like its own.
@@ -179,6 +186,10 @@ class Budgets:
     iteration_tokens: int | None = None
     max_num_seqs: int | None = None
     max_model_len: int | None = None
+    # tokens scheduled over the engine's recent iterations and how many (its short window;
+    # the token_budget saturation is their mean over max_num_batched_tokens)
+    window_scheduled_tokens: int | None = None
+    window_iterations: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from kvledger import __version__
+from kvledger import build_info
 from kvledger.model.accounts import Accounts, ConfigReload, EngineAccount, PoolAccount
 from kvledger.model.limits import MAX_DOCUMENT_AGE
 from kvledger.model.measure import Measure
@@ -85,19 +85,19 @@ def _kv_blocks(a: Accounts) -> Iterator[Sample]:
 
 def _headroom(a: Accounts) -> Iterator[Sample]:
     for e, p in _pools(a):
-        for kind, m in (("quota", p.quota_headroom_blocks), ("physical", p.physical_headroom_blocks)):
+        for view, m in (("quota", p.quota_headroom_blocks), ("physical", p.physical_headroom_blocks)):
             mb = p.bytes_of(m)
             if mb is not None:
                 for basis, v in mb.series():
-                    yield (e.name, p.pool, kind, basis), float(v)
+                    yield (e.name, p.pool, view, basis), float(v)
 
 
 def _utilization(a: Accounts) -> Iterator[Sample]:
     for e, p in _pools(a):
-        for kind, m in (("physical", p.physical_utilization), ("quota", p.quota_utilization)):
+        for view, m in (("physical", p.physical_utilization), ("quota", p.quota_utilization)):
             if m is not None:
                 for basis, v in m.series():
-                    yield (e.name, p.pool, kind, basis), float(v)
+                    yield (e.name, p.pool, view, basis), float(v)
 
 
 def _pending(a: Accounts) -> Iterator[Sample]:
@@ -115,6 +115,30 @@ def _admission_headroom(a: Accounts) -> Iterator[Sample]:
                 yield (e.name, p.pool, basis), float(v)
 
 
+def _saturation(a: Accounts) -> Iterator[Sample]:
+    for e in a.engines:
+        for p in e.pools:
+            for constraint, m in p.saturation.items():
+                for basis, v in m.series():
+                    yield (e.name, p.pool, constraint, basis), float(v)
+        for constraint, m in e.saturation.items():  # the engine's own budgets: no pool
+            for basis, v in m.series():
+                yield (e.name, "", constraint, basis), float(v)
+
+
+def _binding(a: Accounts) -> Iterator[Sample]:
+    for e in a.engines:
+        for constraint in sorted(e.binding_candidates):
+            yield (e.name, constraint), 1.0 if constraint == e.binding else 0.0
+
+
+def _preempted_tokens(a: Accounts) -> Iterator[Sample]:
+    for e in a.engines:
+        for facts in e.facts.pools:  # a counter the engine keeps: read as it reports it
+            if facts.preempted_tokens is not None:
+                yield (e.name, facts.id), float(facts.preempted_tokens)
+
+
 def _requests(a: Accounts) -> Iterator[Sample]:
     for e in a.engines:
         for state, n in e.requests.items():
@@ -124,8 +148,8 @@ def _requests(a: Accounts) -> Iterator[Sample]:
 
 def _slots(a: Accounts) -> Iterator[Sample]:
     for e in a.engines:
-        for kind, n in sorted(e.extra_context_slots.items()):
-            yield (e.name, kind), float(n)
+        for purpose, n in sorted(e.extra_context_slots.items()):
+            yield (e.name, purpose), float(n)
 
 
 def _rechecks(a: Accounts) -> Iterator[Sample]:
@@ -293,7 +317,28 @@ def _group_reserved(a: Accounts) -> Iterator[Sample]:
 
 
 def _build_info(a: Accounts) -> Iterator[Sample]:
-    yield (__version__,), 1.0
+    b = build_info()
+    yield (b.version, b.revision, b.python_version), 1.0
+
+
+# ---------------------------------------------------------------- renames
+
+#: families renamed since 0.1.0, old name -> new name: units last (CHANGELOG.md, "Renamed", says why).
+#: ``kvledger plan --from`` reads a daemon of either version through these tables.
+RENAMED_FAMILIES: dict[str, str] = {
+    "kvledger_kv_token_capacity": "kvledger_kv_capacity_tokens",
+    "kvledger_iteration_token_budget": "kvledger_iteration_budget_tokens",
+}
+#: labels renamed since 0.1.0, (family, old label) -> new label: one meaning per label name. ``kind`` is
+#: the engine kind (kvledger_engine_info) and ``source`` the kvledger source reading an engine, nothing else.
+RENAMED_LABELS: dict[tuple[str, str], str] = {
+    ("kvledger_kv_headroom_bytes", "kind"): "view",
+    ("kvledger_kv_utilization_ratio", "kind"): "view",
+    ("kvledger_extra_context_slots", "kind"): "purpose",
+    ("kvledger_host_buffer_limit_bytes", "kind"): "limit",
+    ("kvledger_network_queue_limit", "kind"): "limit",
+    ("kvledger_gpu_budget_bytes", "source"): "provenance",
+}
 
 
 # ---------------------------------------------------------------- the catalogue
@@ -335,23 +380,24 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("kvledger_kv_blocks", "gauge", "blocks", "kv", ("engine", "pool", "state"),
                "Unique KV blocks by state (in_use, reclaimable, free): a partition of capacity; a state is "
                "present only when known exactly.", _kv_blocks),
-    MetricSpec("kvledger_kv_block_references", "gauge", "blocks", "kv", EP,
-               "Sum of block reference counts (the per-request view of in-use blocks).",
+    MetricSpec("kvledger_kv_block_references", "gauge", "", "kv", EP,
+               "Sum of block reference counts (the per-request view of in-use blocks): a count of references, "
+               "not of blocks (a block three requests share counts three).",
                _pool_value(lambda p: p.physical.references)),
     MetricSpec("kvledger_kv_shared_blocks", "gauge", "blocks", "kv", EP,
                "Unique blocks referenced by more than one request (shared prefixes).",
                _pool_value(lambda p: p.physical.shared)),
-    MetricSpec("kvledger_kv_headroom_bytes", "gauge", "bytes", "kv", ("engine", "pool", "kind", "basis"),
-               "Headroom: kind=quota is capacity minus reserved (negative = overcommit); kind=physical is free "
+    MetricSpec("kvledger_kv_headroom_bytes", "gauge", "bytes", "kv", ("engine", "pool", "view", "basis"),
+               "Headroom: view=quota is capacity minus reserved (negative = overcommit); view=physical is free "
                "plus reclaimable. Different numbers, never one.", _headroom),
-    MetricSpec("kvledger_kv_utilization_ratio", "gauge", "ratio", "kv", ("engine", "pool", "kind", "basis"),
-               "Share of the pool's capacity: kind=physical is in-use blocks / capacity (reclaimable blocks count "
-               "as available), kind=quota is reserved / capacity (above 1: overcommit). The same meaning for every "
+    MetricSpec("kvledger_kv_utilization_ratio", "gauge", "ratio", "kv", ("engine", "pool", "view", "basis"),
+               "Share of the pool's capacity: view=physical is in-use blocks / capacity (reclaimable blocks count "
+               "as available), view=quota is reserved / capacity (above 1: overcommit). The same meaning for every "
                "engine kind: the gauge a router should read instead of each engine's own usage gauge.", _utilization),
     MetricSpec("kvledger_kv_resident_tokens", "gauge", "tokens", "kv", EPB,
                "Tokens resident in the KV cache for running requests under the declared sharing rule.",
                _pool_measure(lambda p: p.resident_tokens)),
-    MetricSpec("kvledger_kv_token_capacity", "gauge", "tokens", "kv", EP,
+    MetricSpec("kvledger_kv_capacity_tokens", "gauge", "tokens", "kv", EP,
                "Tokens the pool can hold (blocks per layer group x block size).",
                _pool_value(lambda p: p.token_capacity)),
     MetricSpec("kvledger_kv_group_info", "gauge", "", "kv", ("engine", "pool", "group", "layer_type", "window_tokens"),
@@ -372,7 +418,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("kvledger_requests", "gauge", "requests", "scheduler", ("engine", "state"),
                "Requests by state: running, waiting (not admitted), preempted (admitted, holding a reservation).",
                _requests),
-    MetricSpec("kvledger_iteration_token_budget", "gauge", "tokens", "scheduler", ("engine",),
+    MetricSpec("kvledger_iteration_budget_tokens", "gauge", "tokens", "scheduler", ("engine",),
                "Per-iteration token budget (max_num_batched_tokens): tokens computed per step, not resident.",
                _engine_value(lambda e: e.facts.budgets.max_num_batched_tokens)),
     MetricSpec("kvledger_iteration_tokens", "gauge", "tokens", "scheduler", ("engine",),
@@ -386,10 +432,25 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("kvledger_admission_headroom_requests", "gauge", "requests", "scheduler", EPB,
                "More requests of the largest supported shape that fit under the quota and the work budget.",
                _admission_headroom),
-    MetricSpec("kvledger_extra_context_slots", "gauge", "", "scheduler", ("engine", "kind"),
-               "Extra contexts of running requests: speculative lookahead slots and extra branches (n-1).", _slots),
+    MetricSpec("kvledger_saturation_ratio", "gauge", "ratio", "scheduler", ("engine", "pool", "constraint", "basis"),
+               "How close the engine is to each limit that stops it admitting work: constraint=kv_quota is reserved / "
+               "capacity, kv_physical in-use / capacity (reclaimable blocks count as free), sequences running / "
+               "max_num_seqs, token_budget scheduled tokens per iteration / max_num_batched_tokens (the engine's "
+               "recent iterations where it states them, else its latest). The engine's own constraints (sequences, "
+               "token_budget) carry no pool. Absent where an input is unknown.", _saturation),
+    MetricSpec("kvledger_saturation_binding", "gauge", "", "scheduler", ("engine", "constraint"),
+               "1 for the constraint that binds now, 0 for the others that took part: the largest saturation ratio "
+               "(exact or lower bound) among the constraints the engine's admission enforces (reserve-cap: kv_quota, "
+               "dynamic: kv_physical, both when unknown; sequences and token_budget always); ties go to kv_quota, "
+               "kv_physical, sequences, token_budget in that order.", _binding),
+    MetricSpec("kvledger_extra_context_slots", "gauge", "", "scheduler", ("engine", "purpose"),
+               "Extra contexts of running requests by purpose: speculative lookahead slots and extra branches (n-1).",
+               _slots),
     MetricSpec("kvledger_preemptions_total", "counter", "", "scheduler", ("engine",),
                "Preemptions reported by the engine.", _counter("preemptions")),
+    MetricSpec("kvledger_preempted_tokens_total", "counter", "tokens", "scheduler", EP,
+               "Computed tokens the engine threw away by preempting requests (to be recomputed): the recompute tax "
+               "of saturation. From in-engine ledgers; absent where the engine does not say.", _preempted_tokens),
     MetricSpec("kvledger_reservation_overflows_total", "counter", "", "scheduler", ("engine",),
                "Requests whose output exceeded an estimated bound.", _counter("reservation_overflows")),
     MetricSpec("kvledger_admission_rechecks_total", "counter", "", "scheduler", ("engine", "result"),
@@ -432,9 +493,10 @@ CATALOG: tuple[MetricSpec, ...] = (
                "GPU identity (value 1).", _gpu_info),
     MetricSpec("kvledger_gpu_process_memory_bytes", "gauge", "bytes", "gpu", ("gpu", "engine"),
                "Device memory held by an engine's processes (NVML per-process figures).", _gpu_process),
-    MetricSpec("kvledger_gpu_budget_bytes", "gauge", "bytes", "gpu", ("gpu", "engine", "category", "source"),
+    MetricSpec("kvledger_gpu_budget_bytes", "gauge", "bytes", "gpu", ("gpu", "engine", "category", "provenance"),
                "Declared device budget terms: weights, workspace, runtime_buffers, reserve (headroom, not an "
-               "allocation) and kv_pool, with where each figure comes from.", _budget),
+               "allocation) and kv_pool, with where each figure comes from (provenance: measured, configured or "
+               "estimate).", _budget),
     MetricSpec("kvledger_gpu_budget_slack_bytes", "gauge", "bytes", "gpu", ("gpu",),
                "Device total minus every declared budget term including the reserve: the budget inequality "
                "weights + workspace + runtime_buffers + reserve + kv_pool <= total holds when >= 0.",
@@ -449,13 +511,13 @@ CATALOG: tuple[MetricSpec, ...] = (
     # Host
     MetricSpec("kvledger_host_buffer_bytes", "gauge", "bytes", "host", ("engine",),
                "Host output buffer bytes held by the engine.", _engine_value(lambda e: e.host.output_buffer_bytes)),
-    MetricSpec("kvledger_host_buffer_limit_bytes", "gauge", "bytes", "host", ("engine", "kind"),
-               "Limit of the host output buffer; kind says hard cap or estimate.", _host_limit("output_buffer_limit")),
+    MetricSpec("kvledger_host_buffer_limit_bytes", "gauge", "bytes", "host", ("engine", "limit"),
+               "Limit of the host output buffer; limit says hard cap or estimate.", _host_limit("output_buffer_limit")),
     MetricSpec("kvledger_network_queue_depth", "gauge", "", "host", ("engine",),
                "Application network queue depth (responses waiting to be sent).",
                _engine_value(lambda e: e.host.network_queue_depth)),
-    MetricSpec("kvledger_network_queue_limit", "gauge", "", "host", ("engine", "kind"),
-               "Limit of the application network queue; kind says hard cap or estimate.",
+    MetricSpec("kvledger_network_queue_limit", "gauge", "", "host", ("engine", "limit"),
+               "Limit of the application network queue; limit says hard cap or estimate.",
                _host_limit("network_queue_limit")),
     MetricSpec("kvledger_network_socket_queue_bytes", "gauge", "bytes", "host", ("engine", "direction"),
                "Kernel socket queue bytes of the engine's serving port (/proc/net/tcp and tcp6).", _socket_queue),
@@ -465,9 +527,11 @@ CATALOG: tuple[MetricSpec, ...] = (
                "The declared accounting policy (value 1): sharing rule, the engine's admission behaviour and "
                "overflow handling; tenant figures always use the per-request rule.", _policy_info),
     MetricSpec("kvledger_engine_info", "gauge", "", "info", ("engine", "kind", "version", "source"),
-               "Engine identity (value 1).", _engine_info),
-    MetricSpec("kvledger_build_info", "gauge", "", "info", ("version",),
-               "kvledger build (value 1).", _build_info),
+               "Engine identity (value 1): kind is the engine kind of the configuration (vllm, ledger, ...), the "
+               "only meaning the label kind has.", _engine_info),
+    MetricSpec("kvledger_build_info", "gauge", "", "info", ("version", "revision", "python_version"),
+               "kvledger build (value 1): its version, the git revision it was built from (unknown when the build "
+               "had none) and the Python running it.", _build_info),
     MetricSpec("kvledger_config_last_reload_successful", "gauge", "", "health", (),
                "1 when the latest load of the configuration file (at start or on SIGHUP) succeeded; 0 when a "
                "reload failed and the daemon kept running the previous configuration.",

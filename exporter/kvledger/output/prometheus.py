@@ -1,13 +1,15 @@
 """Prometheus output: metric families built from the latest Accounts at each scrape,
 straight from the catalogue (no global gauges are mutated).
 
-Two renderings of the same families:
-- ``AccountsCollector``: a prometheus_client custom collector (registries, OpenMetrics);
+Three renderings of the same families:
+- ``AccountsCollector``: a prometheus_client custom collector (registries);
 - ``render_text``: the text exposition format 0.0.4 written directly from the catalogue.
   prometheus_client 0.2x spends ~14 µs per sample validating and escaping names that
   the catalogue already guarantees; at 10,000 in-flight requests over 8 engines that is
   over the scrape budget, so /metrics uses this renderer (tests check that both
-  renderings parse to the same samples).
+  renderings parse to the same samples);
+- ``render_openmetrics``: OpenMetrics 1.0.0 written the same way, for a scraper that asks
+  for it (``negotiate``: the choice prometheus_client's ``choose_encoder`` makes).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -28,6 +31,10 @@ from kvledger.output.catalog import CATALOG, MetricSpec
 log = logging.getLogger("kvledger.output")
 
 TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+
+#: the exposition formats /metrics writes: the text format, OpenMetrics
+TEXT, OPENMETRICS = "text", "openmetrics"
 
 
 def build_family(spec: MetricSpec, accounts: Accounts | None) -> Metric:
@@ -90,15 +97,84 @@ _HEADERS = {
 }
 
 
-def render_text(accounts: Accounts | None, process_registry: CollectorRegistry | None = None) -> bytes:
-    """The catalogue's families in the text exposition format 0.0.4.
+def _openmetrics_header(spec: MetricSpec) -> str:
+    """HELP, TYPE and (where the name ends with it) UNIT of a family. A counter's family is
+    named without ``_total``, which its samples keep; HELP escapes double quotes too."""
+    family = spec.name.removesuffix("_total") if spec.type == "counter" else spec.name
+    text = _escape_help(spec.help).replace('"', '\\"')
+    unit = f"# UNIT {family} {spec.unit}\n" if spec.unit and family.endswith(f"_{spec.unit}") else ""
+    return f"# HELP {family} {text}\n# TYPE {family} {spec.type}\n{unit}"
 
-    The collector only publishes Accounts it has checked engine by engine
-    (``check_renderable``); should a family still fail, it is left empty and logged
-    rather than failing the whole scrape."""
+
+_OPENMETRICS_HEADERS = {spec.name: _openmetrics_header(spec) for spec in CATALOG}
+
+
+def negotiate(accept: str) -> tuple[str, str]:
+    """The format and Content-Type for an Accept header, chosen as prometheus_client 0.2x's
+    ``choose_encoder`` chooses (q-values are not weighed, the first match wins):
+    ``application/openmetrics-text`` without a version or with a version of 1.0.0 or later
+    gets OpenMetrics (Content-Type naming that version and, when one was asked, the name
+    escaping, a no-op on the catalogue's names); ``text/plain`` with a version of 1.0.0 or
+    later gets the text format under that Content-Type; anything else the text format
+    0.0.4. Prometheus 2.x asks ``application/openmetrics-text;version=1.0.0,...``."""
+    for accepted in accept.split(","):
+        media, *params = (p.strip() for p in accepted.split(";"))
+        if media not in ("application/openmetrics-text", "text/plain"):
+            continue
+        values = dict(p.split("=", 1) for p in params if "=" in p)
+        version = values.get("version", "")
+        escaping = values.get("escaping", "underscores")
+        if escaping not in ("allow-utf-8", "underscores", "dots", "values"):
+            escaping = "underscores"
+        if media == "application/openmetrics-text" and not version:
+            return OPENMETRICS, OPENMETRICS_CONTENT_TYPE
+        if not _at_least_1(version):
+            continue
+        if media == "application/openmetrics-text":
+            return OPENMETRICS, f"application/openmetrics-text; version={version}; charset=utf-8; escaping={escaping}"
+        return TEXT, f"text/plain; version=1.0.0; charset=utf-8; escaping={escaping}"
+    return TEXT, TEXT_CONTENT_TYPE
+
+
+def _at_least_1(version: str) -> bool:
+    """version >= 1.0.0, compared part by part as integers ("1" is less, "2" more); a
+    version with a part that is no integer is not (prometheus_client fails on it)."""
+    parts = version.split(".")
+    if not all(p.isascii() and p.isdigit() for p in parts):
+        return False
+    return tuple(int(p) for p in parts) >= (1, 0, 0)
+
+
+def render(accounts: Accounts | None, process_registry: CollectorRegistry | None = None, fmt: str = TEXT) -> bytes:
+    """The catalogue's families (then the process metrics) in ``fmt``."""
+    return render_openmetrics(accounts, process_registry) if fmt == OPENMETRICS else render_text(accounts, process_registry)
+
+
+def render_openmetrics(accounts: Accounts | None, process_registry: CollectorRegistry | None = None) -> bytes:
+    """The catalogue's families in OpenMetrics 1.0.0, ending with ``# EOF``: the samples of
+    ``render_text``, under OpenMetrics' family headers."""
+    body = _render(accounts, _OPENMETRICS_HEADERS)
+    if process_registry is not None:
+        process = openmetrics_latest(process_registry)  # type: ignore[no-untyped-call]  # prometheus_client's openmetrics module is unannotated
+        body += bytes(process).removesuffix(b"# EOF\n")
+    return body + b"# EOF\n"
+
+
+def render_text(accounts: Accounts | None, process_registry: CollectorRegistry | None = None) -> bytes:
+    """The catalogue's families in the text exposition format 0.0.4."""
+    body = _render(accounts, _HEADERS)
+    if process_registry is not None:
+        body += generate_latest(process_registry)
+    return body
+
+
+def _render(accounts: Accounts | None, headers: dict[str, str]) -> bytes:
+    """Every family's header and samples. The collector only publishes Accounts it has
+    checked engine by engine (``check_renderable``); should a family still fail, it is
+    left empty and logged rather than failing the whole scrape."""
     out: list[str] = []
     for spec in CATALOG:
-        out.append(_HEADERS[spec.name])
+        out.append(headers[spec.name])
         if accounts is None:
             continue
         names = spec.labels
@@ -114,10 +190,7 @@ def render_text(accounts: Accounts | None, process_registry: CollectorRegistry |
             log.exception("rendering %s failed; the family is left empty", spec.name)
             continue
         out.extend(lines)
-    body = "".join(out).encode("utf-8", "backslashreplace")
-    if process_registry is not None:
-        body += generate_latest(process_registry)
-    return body
+    return "".join(out).encode("utf-8", "backslashreplace")
 
 
 def check_renderable(accounts: Accounts) -> None:

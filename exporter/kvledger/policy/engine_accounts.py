@@ -29,6 +29,7 @@ from kvledger.policy.invariants import (
 )
 from kvledger.policy.physical import physical_state
 from kvledger.policy.reservations import RequestColumns, _split_by_pool, cap_blocks, group_cap_blocks, request_columns
+from kvledger.policy.saturation import binding_constraint, sequences_ratio, token_budget_ratio
 
 
 def pool_account(engine: EngineFacts, pool: PoolFacts, cols: RequestColumns | None, sharing: str) -> PoolAccount:
@@ -86,7 +87,9 @@ def pool_account(engine: EngineFacts, pool: PoolFacts, cols: RequestColumns | No
         # Only a count of admitted requests: each may reserve at most ceil(L / B)
         # blocks, and never less than what is in use.
         running = pool.running_requests
-        bound = running * cap_blocks(pool, L)
+        # per request at L: the policy's blocks over the known groups, or the engine's own
+        # sizing when larger (a hybrid model whose groups its KV events have not named yet)
+        bound = running * max(cap_blocks(pool, L), pool.engine_request_blocks or 0)
         if in_use is not None:
             bound = max(bound, int(in_use))
         acc.reserved_blocks = Measure(upper=bound)
@@ -114,6 +117,9 @@ def pool_account(engine: EngineFacts, pool: PoolFacts, cols: RequestColumns | No
     acc.quota_utilization = ratio_of_capacity(acc.reserved_blocks, c)
     if pool.groups:
         acc.groups = group_accounts(pool, cols, L, running if cols is None else None)
+    acc.saturation = {
+        name: m for name, m in (("kv_quota", acc.quota_utilization), ("kv_physical", acc.physical_utilization)) if m is not None
+    }
     return acc
 
 
@@ -262,6 +268,16 @@ def engine_account(engine: EngineFacts, sharing: str) -> EngineAccount:
             "waiting": counts.waiting if counts else None,
             "preempted": counts.preempted if counts else None,
         }
+    saturation = {
+        name: m
+        for name, m in (
+            ("sequences", sequences_ratio(requests["running"], engine.budgets.max_num_seqs)),
+            ("token_budget", token_budget_ratio(engine.budgets)),
+        )
+        if m is not None
+    }
+    ratios = [item for p in pools for item in p.saturation.items()] + list(saturation.items())
+    binding, candidates = binding_constraint(ratios, engine.admission)
     return EngineAccount(
         facts=engine,
         sharing=sharing,
@@ -270,6 +286,9 @@ def engine_account(engine: EngineFacts, sharing: str) -> EngineAccount:
         extra_context_slots=slots,
         tenants=tenant_accounts(engine, pool_map, columns),
         invariant_violations=sorted(set(violations)),
+        saturation=saturation,
+        binding=binding,
+        binding_candidates=candidates,
     )
 
 

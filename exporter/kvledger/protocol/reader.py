@@ -317,6 +317,7 @@ def _pool(raw: object, path: str) -> PoolFacts:
         block_refs=None if refs is None else _block_refs(refs, f"{path}.block_refs"),
         cached_blocks=_opt(p, "cached_blocks", path, _int, 0, MAX_BLOCKS),
         engine_reported_used_blocks=_opt(p, "engine_reported_used_blocks", path, _number),
+        preempted_tokens=_opt(p, "preempted_tokens", path, _int),
         layer_groups=1 if layer_groups is None else layer_groups,
         groups=groups,
     )
@@ -710,6 +711,8 @@ def _read(doc: object, engine_name: str, default_kind: str) -> EngineFacts | Non
         budgets = Budgets(
             max_num_batched_tokens=_opt(b, "max_num_batched_tokens", "budgets", _int, 0, MAX_TOKENS),
             iteration_tokens=_opt(b, "iteration_tokens", "budgets", _int, 0, MAX_TOKENS),
+            window_scheduled_tokens=_opt(b, "window_scheduled_tokens", "budgets", _int),
+            window_iterations=_opt(b, "window_iterations", "budgets", _int),
             max_num_seqs=_opt(b, "max_num_seqs", "budgets", _int, 0, MAX_TOKENS),
             max_model_len=_opt(b, "max_model_len", "budgets", _int, 1, MAX_TOKENS),
         )

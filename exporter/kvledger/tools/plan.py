@@ -540,7 +540,23 @@ Samples = dict[str, list[tuple[dict[str, str], float]]]
 
 
 def parse_live(body: bytes, where: str) -> Samples:
-    """kvledger's JSON view (``/api/v1/accounts``) or its /metrics text, as samples by name."""
+    """kvledger's JSON view (``/api/v1/accounts``) or its /metrics text, as samples by name, under
+    this version's names (a 0.1.0 daemon's renamed families and labels are read too)."""
+    return _current_names(_parse_live(body, where))
+
+
+def _current_names(samples: Samples) -> Samples:
+    from kvledger.output.catalog import RENAMED_FAMILIES, RENAMED_LABELS
+
+    out: Samples = {}
+    for name, items in samples.items():
+        new = RENAMED_FAMILIES.get(name, name)
+        moved = {old: label for (family, old), label in RENAMED_LABELS.items() if family == new}
+        out.setdefault(new, []).extend(({moved.get(k, k): v for k, v in lab.items()}, value) for lab, value in items)
+    return out
+
+
+def _parse_live(body: bytes, where: str) -> Samples:
     text = body.decode("utf-8", "replace")
     if text.lstrip().startswith("{"):
         try:
@@ -603,7 +619,7 @@ def plan_from_live(
     if max_len is None:
         raise PlanError(f"{where}: engine {engine!r} exports no kvledger_max_model_len_tokens (set max_model_len in its config)")
     max_seqs = _one(samples, "kvledger_max_running_requests", engine=engine)
-    batched = _one(samples, "kvledger_iteration_token_budget", engine=engine)
+    batched = _one(samples, "kvledger_iteration_budget_tokens", engine=engine)
     L = int(max_len)
     pools: list[PoolReport] = []
     usable_total = 0
@@ -652,11 +668,11 @@ def plan_from_live(
         for category in PLAN_TERM_ORDER:
             for lab, v in budget:
                 if lab.get("gpu") == gpu and lab.get("category") == category:
-                    terms.append(Term(category, int(v), lab.get("source", "measured")))
+                    terms.append(Term(category, int(v), lab.get("provenance", "measured")))
         others = [(lab, v) for lab, v in samples.get("kvledger_gpu_budget_bytes", [])
                   if lab.get("gpu") == gpu and lab.get("engine") != engine]
         if others:
-            sources = {lab.get("source", "measured") for lab, _v in others}
+            sources = {lab.get("provenance", "measured") for lab, _v in others}
             source = "estimate" if "estimate" in sources else ("measured" if sources == {"measured"} else "configured")
             terms.insert(-1 if terms and terms[-1].category == "kv_pool" else len(terms),
                          Term("other_engines", int(sum(v for _l, v in others)), source))
@@ -713,7 +729,7 @@ def plan_from_live(
         unknown_terms=unknown,
         kv={"pool_bytes_per_gpu": kv_term.bytes if kv_term else None, "pool_source": kv_term.source if kv_term else None,
             "basis": "hard", "usable_blocks": usable_total, "capacity_bytes": capacity_bytes_total,
-            "block_size": b0, "token_capacity": int(sum(v for _l, v in _pick(samples, "kvledger_kv_token_capacity", engine=engine)))
+            "block_size": b0, "token_capacity": int(sum(v for _l, v in _pick(samples, "kvledger_kv_capacity_tokens", engine=engine)))
             or usable_total * b0, "blocks_per_request_at_cap": per_request_total},
         concurrency=concurrency,
         verdict=verdict,

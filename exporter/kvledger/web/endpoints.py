@@ -2,9 +2,11 @@
 at / (with its data at /ui/ledger.json) and the cache lab at /lab (kvledger.web.pages).
 
 /metrics is served from memory (``MetricsBody``): the body is rendered at most once per new
-Accounts, by the first scrape after an accounting cycle, and its gzip form at most once
-too, by the first scrape that accepts gzip (Prometheus does); every other scrape until the
-next cycle writes the bytes already made. The exporter's own process figures (CPU, RSS)
+Accounts and exposition format, by the first scrape after an accounting cycle that asks for
+that format (the text format, or OpenMetrics when the Accept header asks for it, as
+prometheus_client negotiates), and its gzip form at most once too, by the first scrape that
+accepts gzip (Prometheus does); every other scrape until the next cycle writes the bytes
+already made. The exporter's own process figures (CPU, RSS)
 are read with that render, so they are as old as the Accounts they come with (at most one
 poll interval).
 """
@@ -23,60 +25,71 @@ from prometheus_client import CollectorRegistry
 from kvledger.collect.collector import Collector
 from kvledger.model.accounts import Accounts
 from kvledger.output.json_view import accounts_to_json
-from kvledger.output.prometheus import TEXT_CONTENT_TYPE, render_text
+from kvledger.output.prometheus import OPENMETRICS, negotiate, render
+from kvledger.output.prometheus import TEXT as TEXT_FORMAT
 from kvledger.web.connection import Request, Response
 from kvledger.web.pages import accounts_header, json_response, lab_response, ledger_document, page, static_response
 
 TEXT = "text/plain; charset=utf-8"
-_TEXT_HEADERS = (("Content-Type", TEXT_CONTENT_TYPE), ("Vary", "Accept-Encoding"))
-_GZIP_HEADERS = (*_TEXT_HEADERS, ("Content-Encoding", "gzip"))
+
+
+def _metrics_headers(content_type: str, gzipped: bool) -> tuple[tuple[str, str], ...]:
+    headers = (("Content-Type", content_type), ("Vary", "Accept, Accept-Encoding"))
+    return (*headers, ("Content-Encoding", "gzip")) if gzipped else headers
 
 
 class MetricsBody:
-    """The /metrics body of the latest Accounts, rendered once and kept (with its gzip form)."""
+    """The /metrics bodies of the latest Accounts, one per exposition format asked for
+    (the text format, OpenMetrics), each rendered once and kept with its gzip form."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._accounts: Accounts | None = None
         self._rendered = False
-        self._body = b""
-        self._gzip: bytes | None = None
-        self.renders = 0  # bodies rendered (at most one per Accounts)
+        self._bodies: dict[str, bytes] = {}  # format -> body, for self._accounts
+        self._gzips: dict[str, bytes] = {}  # format -> gzip form of its body
+        self.renders = 0  # bodies rendered (at most one per Accounts and format)
         self.compressions = 0  # gzip forms made (at most one per body)
         self.served = 0  # /metrics answers
         self.served_gzip = 0  # of which gzip
+        self.served_openmetrics = 0  # of which OpenMetrics
 
-    def get(self, accounts: Accounts | None, process_registry: CollectorRegistry | None, gzipped: bool) -> bytes:
-        """The body for ``accounts`` (gzip-compressed when ``gzipped``), made once per Accounts."""
+    def get(self, accounts: Accounts | None, process_registry: CollectorRegistry | None, gzipped: bool,
+            fmt: str = TEXT_FORMAT) -> bytes:
+        """The body for ``accounts`` in ``fmt`` (gzip-compressed when ``gzipped``), made once per Accounts."""
         with self._lock:  # concurrent scrapes after a cycle: one renders, the others wait for its bytes
             if not self._rendered or accounts is not self._accounts:
-                self._body = render_text(accounts, process_registry)
-                self._accounts, self._rendered, self._gzip = accounts, True, None
+                self._accounts, self._rendered, self._bodies, self._gzips = accounts, True, {}, {}
+            body = self._bodies.get(fmt)
+            if body is None:
+                body = self._bodies[fmt] = render(accounts, process_registry, fmt)
                 self.renders += 1
-            self.served += 1
+            self._count(gzipped, fmt)
             if not gzipped:
-                return self._body
-            if self._gzip is None:
-                self._gzip = gzip.compress(self._body, compresslevel=1, mtime=0)
+                return body
+            zipped = self._gzips.get(fmt)
+            if zipped is None:
+                zipped = self._gzips[fmt] = gzip.compress(body, compresslevel=1, mtime=0)
                 self.compressions += 1
-            self.served_gzip += 1
-            return self._gzip
+            return zipped
 
+    def _count(self, gzipped: bool, fmt: str) -> None:
+        self.served += 1
+        self.served_gzip += gzipped
+        self.served_openmetrics += fmt == OPENMETRICS
 
-    def ready(self, accounts: Accounts | None, gzipped: bool) -> bytes | None:
-        """The bytes already made for ``accounts`` (None when a render or a compression is
-        due, or another scrape is making them): never waits, for the event loop."""
+    def ready(self, accounts: Accounts | None, gzipped: bool, fmt: str = TEXT_FORMAT) -> bytes | None:
+        """The bytes already made for ``accounts`` in ``fmt`` (None when a render or a
+        compression is due, or another scrape is making them): never waits, for the event loop."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
-            if not self._rendered or accounts is not self._accounts or (gzipped and self._gzip is None):
+            if not self._rendered or accounts is not self._accounts:
                 return None
-            self.served += 1
-            if gzipped:
-                self.served_gzip += 1
-                assert self._gzip is not None
-                return self._gzip
-            return self._body
+            body = (self._gzips if gzipped else self._bodies).get(fmt)
+            if body is not None:
+                self._count(gzipped, fmt)
+            return body
         finally:
             self._lock.release()
 
@@ -112,11 +125,12 @@ class Endpoints:
         if request.method not in ("GET", "HEAD") or urlsplit(request.target).path != "/metrics":
             return None
         gzipped = accepts_gzip(request.headers.get("accept-encoding", ""))
+        fmt, content_type = negotiate(request.headers.get("accept", ""))
         accounts = self.collector.latest()
-        body = self.metrics.ready(accounts, gzipped)
+        body = self.metrics.ready(accounts, gzipped, fmt)
         if body is None:
             return None
-        return Response(200, body, (*(_GZIP_HEADERS if gzipped else _TEXT_HEADERS), *accounts_header(accounts)))
+        return Response(200, body, (*_metrics_headers(content_type, gzipped), *accounts_header(accounts)))
 
     def respond(self, request: Request) -> Response:
         """The response to a GET or HEAD; 405 for any other method."""
@@ -126,8 +140,9 @@ class Endpoints:
         if path == "/metrics":
             accounts = self.collector.latest()
             gzipped = accepts_gzip(request.headers.get("accept-encoding", ""))
-            body = self.metrics.get(accounts, self.process_registry, gzipped)
-            return Response(200, body, (*(_GZIP_HEADERS if gzipped else _TEXT_HEADERS), *accounts_header(accounts)))
+            fmt, content_type = negotiate(request.headers.get("accept", ""))
+            body = self.metrics.get(accounts, self.process_registry, gzipped, fmt)
+            return Response(200, body, (*_metrics_headers(content_type, gzipped), *accounts_header(accounts)))
         if path == "/-/healthy":
             return Response(200, b"kvledger is healthy.\n", (("Content-Type", TEXT),))
         if path == "/-/ready":

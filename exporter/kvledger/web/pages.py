@@ -121,13 +121,13 @@ def _values(name: str, accounts: Accounts, key: tuple[str, ...]) -> dict[Labels,
 
 @dataclass(frozen=True)
 class _PoolSamples:
-    """The pool families of one Accounts, keyed by (engine, pool[, state or kind])."""
+    """The pool families of one Accounts, keyed by (engine, pool[, state or view])."""
 
     capacity_bytes: dict[Labels, float]
     capacity_blocks: dict[Labels, float]
     block_size: dict[Labels, float]
     blocks: dict[Labels, float]  # (engine, pool, state), exact states only
-    headroom: dict[Labels, Quantity]  # (engine, pool, kind)
+    headroom: dict[Labels, Quantity]  # (engine, pool, view)
     reserved_blocks: dict[Labels, Quantity]
     bytes: dict[str, dict[Labels, Quantity]]  # quantity of BYTES -> (engine, pool) -> quantity
     groups: dict[Labels, list[dict[str, Any]]]  # (engine, pool) -> its KV-cache groups, in order
@@ -140,7 +140,7 @@ class _PoolSamples:
             capacity_blocks=_values("kvledger_kv_capacity_blocks", accounts, ep),
             block_size=_values("kvledger_kv_block_size_tokens", accounts, ep),
             blocks=_values("kvledger_kv_blocks", accounts, (*ep, "state")),
-            headroom=_measures("kvledger_kv_headroom_bytes", accounts, (*ep, "kind")),
+            headroom=_measures("kvledger_kv_headroom_bytes", accounts, (*ep, "view")),
             reserved_blocks=_measures("kvledger_kv_reserved_blocks", accounts, ep),
             bytes={quantity: _measures(family, accounts, ep) for quantity, family in BYTES.items()},
             groups=_groups(accounts),
@@ -160,9 +160,9 @@ class _PoolSamples:
             for quantity, by_pool in self.bytes.items():
                 if (m := by_pool.get(ep)) is not None:
                     doc[quantity] = m
-            for kind in ("quota", "physical"):
-                if (m := self.headroom.get((*ep, kind))) is not None:
-                    doc[f"{kind}_headroom"] = m
+            for view in ("quota", "physical"):
+                if (m := self.headroom.get((*ep, view))) is not None:
+                    doc[f"{view}_headroom"] = m
         else:  # no bytes per block: the bar is drawn in blocks, from the exact block partition
             doc["unit"] = "blocks"
             doc["capacity"] = doc["capacity_blocks"]

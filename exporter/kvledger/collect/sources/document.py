@@ -149,7 +149,8 @@ class LedgerSource(Source):
         self.cfg = cfg
         self.engine = cfg.name
         self._http = HttpClient(
-            cfg.url, timeout=cfg.timeout_seconds, max_bytes=cfg.max_response_bytes, accept="application/json"
+            cfg.url, timeout=cfg.timeout_seconds, max_bytes=cfg.max_response_bytes, accept="application/json",
+            auth=cfg.client_auth,
         )
         self.reader = DocumentReader(self._http, cfg.name)
         self._last: tuple[EngineFacts, EngineContribution] | None = None

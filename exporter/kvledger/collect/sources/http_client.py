@@ -22,6 +22,20 @@ URLs are ``http://``, ``https://`` or ``unix:///absolute/path`` (HTTP/1.1 over a
 socket, ``GET /``). Credentials in a URL (``http://user:pass@host``) are sent as basic
 auth and never appear in a message: ``redact_url`` removes them. Messages never quote
 the body or any header of the answer.
+
+An engine's ``authorization``, ``basic_auth`` and ``tls_config`` (``ClientAuth``, the keys of
+Prometheus' scrape_config) are presented on every request: a ``credentials_file`` or
+``password_file`` is read at each request (a rotated token is used at once; unreadable:
+reason ``config``, naming the key and the file, never its content), the TLS files when a
+connection opens, again whenever one of them changed. A 401 or 403 answer says the engine
+refused the credentials, never which ones.
+
+Connections are kept alive between polls (HTTP/1.1): one idle connection per client,
+reused by the next GET unless the engine closed it meanwhile (seen before sending: the
+socket is readable at EOF) or closes it as the request goes out (the reused connection
+fails before any answer: the GET is sent once more on a new connection, within the same
+deadline). A connection that ended in any error, or that the answer asked to close, is
+not kept.
 """
 
 from __future__ import annotations
@@ -30,7 +44,9 @@ import base64
 import heapq
 import http.client
 import itertools
+import os
 import re
+import select
 import socket
 import ssl
 import threading
@@ -38,9 +54,14 @@ import time
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from kvledger.collect.engine_tls import client_ssl_context
 from kvledger.collect.memory import release_freed_memory
 from kvledger.collect.sources.base import SourceError
+from kvledger.config.model import ClientAuth, TlsClientConfig
 from kvledger.model.limits import MAX_TEXT_LINES
+
+#: a credentials_file or password_file larger than this is refused (a token, not a document)
+MAX_SECRET_FILE_BYTES = 64 << 10
 
 #: default cap on a response body (engines' documents and /metrics texts); per engine
 #: ``max_response_bytes`` in the configuration overrides it
@@ -141,6 +162,50 @@ _WATCHDOG = _Watchdog()
 # ---------------------------------------------------------------- connections
 
 
+def _tls_files(tls: TlsClientConfig | None) -> tuple[tuple[str, float], ...]:
+    """(path, mtime) of the TLS files: a change makes the next connection load them again."""
+    out = []
+    for path in (tls.ca_file, tls.cert_file, tls.key_file) if tls else ():
+        if path:
+            try:
+                out.append((path, os.stat(path).st_mtime))
+            except OSError:
+                out.append((path, -1.0))
+    return tuple(out)
+
+
+def read_secret_file(path: str) -> str:
+    """A credentials or password file's content without its trailing whitespace (as
+    Prometheus reads it). ValueError says why it cannot be used, never what it holds."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_SECRET_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or type(exc).__name__}") from None
+    if len(raw) > MAX_SECRET_FILE_BYTES:
+        raise ValueError(f"{path} is over {MAX_SECRET_FILE_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8").rstrip()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text") from None
+    if not text or any(c in text for c in "\r\n\x00"):
+        raise ValueError(f"{path} must hold one non-empty line")
+    return text
+
+
+class _HTTPSConnection(http.client.HTTPSConnection):
+    """HTTPS whose certificate is checked against ``server_name`` (and SNI sends it) when given."""
+
+    def __init__(self, host: str, port: int | None, timeout: float, context: ssl.SSLContext, server_name: str | None) -> None:
+        super().__init__(host, port, timeout=timeout, context=context)
+        self._server_name = server_name
+
+    def connect(self) -> None:
+        http.client.HTTPConnection.connect(self)
+        assert self.sock is not None
+        self.sock = self._context.wrap_socket(self.sock, server_hostname=self._server_name or self.host)  # type: ignore[attr-defined]  # HTTPSConnection's own context, as its connect() uses it
+
+
 class _UnixHTTPConnection(http.client.HTTPConnection):
     def __init__(self, path: str, timeout: float) -> None:
         super().__init__("localhost", timeout=timeout)
@@ -205,40 +270,112 @@ def default_max_lines(accept: str) -> int | None:
     return MAX_TEXT_LINES if accept.strip().lower().startswith("text/plain") else None
 
 
+class _Stale(Exception):
+    """A kept-alive connection that the engine had closed: the request never got an answer."""
+
+
+#: what a reused connection raises when the engine closed it as the request went out
+_STALE_ERRORS = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError, http.client.RemoteDisconnected)
+
+
+def _dropped(conn: http.client.HTTPConnection) -> bool:
+    """Whether an idle connection was closed by the engine (its socket reads EOF, or
+    anything at all: an idle HTTP/1.1 connection has nothing to say)."""
+    sock = conn.sock
+    if sock is None:
+        return True
+    try:
+        if isinstance(sock, ssl.SSLSocket) and sock.pending():
+            return True
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
+
+
+_TCP_QUICKACK = getattr(socket, "TCP_QUICKACK", None)  # Linux
+
+
+def _quick_ack(conn: http.client.HTTPConnection) -> None:
+    """Acknowledge the answer's first segment at once. On a kept-alive connection an engine
+    that writes its headers and its body separately without TCP_NODELAY (Python's
+    http.server, among others) holds the body until the headers are acknowledged (Nagle),
+    and the kernel would delay that acknowledgement by up to 40 ms (delayed ACK): set after
+    the request is sent, the quick-ack mode covers the answer's first segments (Linux; a
+    no-op elsewhere and on Unix sockets)."""
+    sock = conn.sock
+    if _TCP_QUICKACK is None or sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, _TCP_QUICKACK, 1)
+    except OSError:
+        pass
+
+
 class HttpClient:
     """GETs one URL, bounded by ``timeout`` seconds in all, ``max_bytes`` of body and, for
-    text, ``max_lines`` lines (by default ``default_max_lines(accept)``)."""
+    text, ``max_lines`` lines (by default ``default_max_lines(accept)``), presenting the
+    engine's ``auth`` (authorization or basic_auth, tls_config) and keeping its connection
+    alive between GETs."""
 
     def __init__(self, url: str, *, timeout: float, max_bytes: int = DEFAULT_MAX_BYTES, accept: str = "*/*",
-                 max_lines: int | None = None) -> None:
+                 max_lines: int | None = None, auth: ClientAuth | None = None) -> None:
         self.url = url
         self.where = redact_url(url)
         self.timeout = timeout
         self.max_bytes = max_bytes
         self.max_lines = max_lines if max_lines is not None else default_max_lines(accept)
         self.accept = accept
+        self.auth = auth
         self._target = _target(url)  # a bad URL fails here, at configuration time
         self._lock = threading.Lock()
-        self._conn: http.client.HTTPConnection | None = None
-        self._ssl: ssl.SSLContext | None = ssl.create_default_context() if self._target.scheme == "https" else None
+        self._conn: http.client.HTTPConnection | None = None  # the exchange in progress
+        self._idle: http.client.HTTPConnection | None = None  # kept alive for the next GET
+        self.connections = 0  # connections opened (a kept-alive one serves many GETs)
+        tls = auth.tls_config if auth else None
+        self._tls_stamp = _tls_files(tls)
+        self._ssl: ssl.SSLContext | None = None
+        if self._target.scheme == "https":
+            try:
+                self._ssl = client_ssl_context(tls)
+            except ValueError as exc:
+                raise SourceError("config", f"{self.where}: tls_config: {exc}") from None
 
-    def _connection(self) -> http.client.HTTPConnection:
+    def _context(self) -> ssl.SSLContext:
+        """The TLS context, loaded again when one of the tls_config files changed."""
+        tls = self.auth.tls_config if self.auth else None
+        stamp = _tls_files(tls)
+        if self._ssl is None or stamp != self._tls_stamp:
+            try:
+                self._ssl = client_ssl_context(tls)
+            except ValueError as exc:
+                raise SourceError("config", f"{self.where}: tls_config: {exc}") from None
+            self._tls_stamp = stamp
+        return self._ssl
+
+    def _connection(self, timeout: float) -> http.client.HTTPConnection:
         t = self._target
         if t.scheme == "unix":
-            return _UnixHTTPConnection(t.path, self.timeout)
+            return _UnixHTTPConnection(t.path, timeout)
         if t.scheme == "https":
-            return http.client.HTTPSConnection(t.host, t.port, timeout=self.timeout, context=self._ssl)
-        return http.client.HTTPConnection(t.host, t.port, timeout=self.timeout)
+            tls = self.auth.tls_config if self.auth else None
+            return _HTTPSConnection(t.host, t.port, timeout, self._context(), tls.server_name if tls else None)
+        return http.client.HTTPConnection(t.host, t.port, timeout=timeout)
 
     def abort(self) -> None:
-        """End an exchange in progress now (used when the daemon stops)."""
+        """End an exchange in progress now and close the kept-alive connection (used when
+        the daemon stops or a source is replaced)."""
         with self._lock:
-            conn = self._conn
+            conn, idle, self._idle = self._conn, self._idle, None
         if conn is not None and conn.sock is not None:
             _shutdown(conn.sock)
+        if idle is not None:
+            idle.close()
+
+    close = abort
 
     def get(self) -> bytes:
-        """The body of a 200 answer; SourceError(connect|timeout|http_status|too_large|parse)."""
+        """The body of a 200 answer; SourceError(connect|timeout|http_status|too_large|parse|config)."""
         return self.fetch().body
 
     def fetch(self, *, accept: str | None = None, if_none_match: str | None = None) -> Answer:
@@ -246,24 +383,55 @@ class HttpClient:
         ``If-None-Match``: a 200 answer, or a 304 (no body) when ``if_none_match`` still
         names the document; SourceError as ``get``."""
         deadline = time.monotonic() + self.timeout
-        conn = self._connection()
+        accept = accept or self.accept
+        headers = self._headers(accept, if_none_match)
+        with self._lock:
+            conn, self._idle = self._idle, None
+        if conn is not None and _dropped(conn):
+            conn.close()
+            conn = None
+        if conn is not None:
+            try:
+                return self._on(conn, deadline, accept, headers, reused=True)
+            except _Stale:
+                pass  # the engine closed it as the GET went out: once more on a new connection
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise SourceError("timeout", self._late())
+        conn = self._connection(left)
+        try:
+            conn.connect()
+        except TimeoutError:
+            conn.close()
+            raise SourceError("timeout", f"{self.where}: connect timed out after {self.timeout:g}s") from None
+        except ssl.SSLError as exc:
+            conn.close()
+            raise SourceError("connect", f"{self.where}: TLS handshake failed: {exc.reason or exc}") from None
+        except OSError as exc:
+            conn.close()
+            raise SourceError("connect", f"{self.where}: cannot connect: {exc.strerror or exc}") from None
+        self.connections += 1
+        return self._on(conn, deadline, accept, headers, reused=False)
+
+    def _on(self, conn: http.client.HTTPConnection, deadline: float, accept: str, headers: dict[str, str], *,
+            reused: bool) -> Answer:
+        """One exchange on ``conn`` (connected) under the absolute ``deadline``; the
+        connection is kept for the next GET when the answer allows it, else closed."""
+        assert conn.sock is not None
+        conn.sock.settimeout(max(0.001, deadline - time.monotonic()))  # a kept connection had an earlier poll's
         with self._lock:
             self._conn = conn
-        answer = Answer(0, b"", None, None)
+        keep = False
         try:
-            try:
-                conn.connect()
-            except TimeoutError:
-                raise SourceError("timeout", f"{self.where}: connect timed out after {self.timeout:g}s") from None
-            except ssl.SSLError as exc:
-                raise SourceError("connect", f"{self.where}: TLS handshake failed: {exc.reason or exc}") from None
-            except OSError as exc:
-                raise SourceError("connect", f"{self.where}: cannot connect: {exc.strerror or exc}") from None
-            assert conn.sock is not None
             token = _WATCHDOG.arm(conn.sock, deadline)
             error: tuple[str, str] | None = None
+            answer = Answer(0, b"", None, None)
             try:
-                answer = self._exchange(conn, accept or self.accept, if_none_match)
+                answer, keep = self._exchange(conn, accept, headers, reused)
+            except _Stale:
+                if _WATCHDOG.disarm(token) or time.monotonic() >= deadline:
+                    raise SourceError("timeout", self._late()) from None
+                raise
             except SourceError as exc:
                 error = (exc.reason, exc.message)
             except TimeoutError:
@@ -273,14 +441,18 @@ class HttpClient:
             # The watchdog shuts the socket down at the deadline: whatever the read then
             # saw (an error, or an early end of the body), the answer came too late.
             if _WATCHDOG.disarm(token) or (error is not None and time.monotonic() >= deadline):
-                error = ("timeout", self._late())
+                error, keep = ("timeout", self._late()), False
             if error is not None:
                 raise SourceError(*error)
+            return answer
         finally:
             with self._lock:
                 self._conn = None
-            conn.close()
-        return answer
+                kept = keep and self._idle is None
+                if kept:
+                    self._idle = conn
+            if not kept:
+                conn.close()
 
     def get_text(self) -> str:
         """``get()`` decoded as UTF-8; SourceError(parse) names the first bad byte."""
@@ -293,19 +465,52 @@ class HttpClient:
     def _late(self) -> str:
         return f"{self.where}: no complete answer within {self.timeout:g}s"
 
-    def _exchange(self, conn: http.client.HTTPConnection, accept: str, if_none_match: str | None) -> Answer:
-        headers = {"Accept": accept, "Accept-Encoding": "identity", "User-Agent": "kvledger"}
+    def _authorization(self) -> str | None:
+        """The Authorization header: the URL's userinfo, else the engine's authorization or
+        basic_auth (files read now); SourceError(config) when a file cannot be used."""
         if self._target.authorization:
-            headers["Authorization"] = self._target.authorization
+            return self._target.authorization
+        auth = self.auth
+        try:
+            if auth is not None and (a := auth.authorization) is not None:
+                credentials = a.credentials.reveal() if a.credentials is not None else read_secret_file(a.credentials_file or "")
+                return f"{a.type} {credentials}"
+            if auth is not None and (b := auth.basic_auth) is not None:
+                if b.password is not None:
+                    password = b.password.reveal()
+                else:
+                    password = read_secret_file(b.password_file) if b.password_file else ""
+                return "Basic " + base64.b64encode(f"{b.username}:{password}".encode()).decode("ascii")
+        except ValueError as exc:
+            key = "authorization.credentials_file" if auth is not None and auth.authorization else "basic_auth.password_file"
+            raise SourceError("config", f"{self.where}: {key}: {exc}") from None
+        return None
+
+    def _headers(self, accept: str, if_none_match: str | None) -> dict[str, str]:
+        headers = {"Accept": accept, "Accept-Encoding": "identity", "User-Agent": "kvledger"}
+        if (authorization := self._authorization()) is not None:
+            headers["Authorization"] = authorization
         if if_none_match:
             headers["If-None-Match"] = if_none_match
-        conn.request("GET", self._target.path, headers=headers)
-        resp = conn.getresponse()
-        if resp.status == 304 and if_none_match:
+        return headers
+
+    def _exchange(self, conn: http.client.HTTPConnection, accept: str, headers: dict[str, str],
+                  reused: bool) -> tuple[Answer, bool]:
+        """The answer, and whether the connection may serve the next GET."""
+        try:
+            conn.request("GET", self._target.path, headers=headers)
+            _quick_ack(conn)
+            resp = conn.getresponse()
+        except _STALE_ERRORS:
+            if reused:
+                raise _Stale from None
+            raise
+        keep = not resp.will_close
+        if resp.status == 304 and "If-None-Match" in headers:
             resp.read()
-            return Answer(304, b"", resp.getheader("ETag") or if_none_match, None, resp.getheader("Date"))
+            return Answer(304, b"", resp.getheader("ETag") or headers["If-None-Match"], None, resp.getheader("Date")), keep
         if resp.status != 200:
-            raise SourceError("http_status", f"{self.where}: HTTP {resp.status}" + _redirect_note(resp.status))
+            raise SourceError("http_status", f"{self.where}: HTTP {resp.status}" + _status_note(resp.status))
         length = resp.getheader("Content-Length")
         if length is not None and length.strip().isdigit() and int(length) > self.max_bytes:
             raise SourceError("too_large", f"{self.where}: body of {int(length)} bytes is over the limit of {self.max_bytes}")
@@ -332,11 +537,18 @@ class HttpClient:
             chunks.append(chunk)
         if length is not None and length.strip().isdigit() and size != int(length):
             raise SourceError("parse", f"{self.where}: body truncated after {size} of {int(length)} bytes")
-        return Answer(200, b"".join(chunks), resp.getheader("ETag"), resp.getheader("Content-Type"), resp.getheader("Date"))
+        answer = Answer(200, b"".join(chunks), resp.getheader("ETag"), resp.getheader("Content-Type"), resp.getheader("Date"))
+        if not resp.isclosed() and resp.read(1):  # ends the answer (read1 leaves it open at length 0)
+            return answer, False  # more than the answer said: the connection is not clean
+        return answer, keep and resp.isclosed()  # the whole answer read: the connection is free for the next GET
 
 
-def _redirect_note(status: int) -> str:
-    return " (redirects are not followed: configure the final URL)" if 300 <= status < 400 else ""
+def _status_note(status: int) -> str:
+    if 300 <= status < 400:
+        return " (redirects are not followed: configure the final URL)"
+    if status in (401, 403):
+        return " (the engine refused the request's credentials: check authorization, basic_auth or tls_config)"
+    return ""
 
 
 def _classify(exc: BaseException, where: str) -> tuple[str, str]:

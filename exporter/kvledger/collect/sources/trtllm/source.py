@@ -20,7 +20,7 @@ class TrtllmSource(Source):
             raise SourceError("config", f"engine {cfg.name!r}: url {redact_url(cfg.url)} is trtllm-serve's JSON /metrics, "
                                         "which removes what it returns; use GET /prometheus/metrics")
         self._http = HttpClient(cfg.url, timeout=cfg.timeout_seconds, max_bytes=cfg.max_response_bytes,
-                                accept="text/plain;version=0.0.4")
+                                accept="text/plain;version=0.0.4", auth=cfg.client_auth)
 
     def poll(self) -> EngineContribution:
         return EngineContribution(trtllm_facts(self._http.get_text(), self.cfg))

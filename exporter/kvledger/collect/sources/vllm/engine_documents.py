@@ -194,7 +194,7 @@ class LedgerReader:
         if reader is None:
             client = HttpClient(
                 self.url(rank), timeout=self.timeout, max_bytes=self.cfg.max_response_bytes,
-                accept="application/json",
+                accept="application/json", auth=self.cfg.client_auth,
             )  # fmt: skip
             reader = self._readers[rank] = DocumentReader(client, self.cfg.name)
         # one deadline for all ranks: a slow rank cannot stretch the read to ranks x timeout
@@ -286,9 +286,15 @@ def _budgets(ranks: list[Budgets], fallback: Budgets) -> Budgets:
         return sum(known)
 
     lens = [b.max_model_len for b in ranks if b.max_model_len is not None]
+    iterations = [b.window_iterations for b in ranks]
+    # the ranks step together (as iteration_tokens and the budget, summed, assume): the
+    # window's tokens add up over the ranks, its iterations are each rank's
+    window_iterations = None if None in iterations else max(i for i in iterations if i is not None)
     return Budgets(
         max_num_batched_tokens=total("max_num_batched_tokens"),
         iteration_tokens=total("iteration_tokens"),
+        window_scheduled_tokens=total("window_scheduled_tokens") if window_iterations is not None else None,
+        window_iterations=window_iterations,
         max_num_seqs=total("max_num_seqs"),
         max_model_len=min(lens) if lens else fallback.max_model_len,
     )

@@ -107,6 +107,22 @@ def _config_int(
     return int(value)
 
 
+def _request_blocks(info: Mapping[str, str], num_blocks: int) -> int | None:
+    """Blocks one request at max_model_len takes as vLLM sized it: ``kv_cache_max_concurrency``
+    is ``num_gpu_blocks`` over that (summed over a hybrid model's KV-cache groups, a window
+    group counted with a whole prefill chunk in flight). None when absent or out of range.
+    cache_config_info says ``sliding_window="None"`` on hybrid models: this is the one stock
+    sign of their groups before the KV events name them (tiny Gemma 3: 256 / 3.657 = 70
+    blocks, where one full-attention group would take 32)."""
+    raw = parse_python_str(info.get("kv_cache_max_concurrency"))
+    if not isinstance(raw, (int, float)) or isinstance(raw, bool) or not math.isfinite(raw) or raw <= 0:
+        return None
+    exact = num_blocks / raw
+    nearest = round(exact)
+    blocks = int(nearest if abs(exact - nearest) <= 1e-6 * max(1.0, exact) else math.ceil(exact))
+    return blocks if 1 <= blocks <= MAX_BLOCKS else None
+
+
 def whole_blocks(blocks: float | None, capacity: int) -> int | None:
     """``blocks`` (a count derived from a ratio) as a whole number of blocks when it lies within
     ``RATIO_TOLERANCE x capacity`` of one (float rounding); None when it is no whole number."""
@@ -305,6 +321,8 @@ def vllm_facts_from_metrics(
             if window is not None and not 0 <= window <= MAX_TOKENS:
                 raise SourceError("config", f"engine {cfg.name!r}: model sliding window {window} is not in [0, {MAX_TOKENS}]")
 
+        request_blocks = _request_blocks(info, per_rank)
+
         pid = _live_pid(exp, rank)
         usage = _gauge(exp, USAGE, rank, pid)
         violations: tuple[str, ...] = ()
@@ -335,6 +353,7 @@ def vllm_facts_from_metrics(
                 engine_reported_used_blocks=claim,
                 running_requests=int(running) if running is not None else None,
                 source_violations=violations,
+                engine_request_blocks=request_blocks,
             )
         )
 
