@@ -70,7 +70,8 @@ def test_each_fault_fires_its_alert(fault: str) -> None:
     alert, minutes = FAULT_ALERTS[fault]
     faults = parse_faults([fault])
     (engine,) = faults
-    profiles = [p for p in demo_profiles() if p.name == engine]
-    replay = replay_demo(minutes, faults, profiles=profiles, llamacpp=[])
+    (index,) = [i for i, p in enumerate(demo_profiles()) if p.name == engine]
+    # the seed that engine has in `kvledger demo` (start_demo seeds the i-th engine with seed + i)
+    replay = replay_demo(minutes, faults, seed=index, profiles=[demo_profiles()[index]], llamacpp=[])
     result = evaluate(replay, expected_firing={alert}, among={alert})
     assert result.ok, result.output

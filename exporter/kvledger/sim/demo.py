@@ -81,10 +81,10 @@ def demo_profiles() -> list[SimProfile]:
             max_model_len=4096,
             max_num_seqs=64,
             max_num_batched_tokens=8192,
-            # busy: bursts fill its quota and queue requests (up to ~240 of its 256 for tens of
-            # seconds; KVLedgerNetworkQueueNearLimit waits 5 minutes), and demand beyond the
-            # quota is what --fault reserve-overcommit needs to admit past its pool
-            arrival_rate=6.0,
+            # below saturation: at 6/s its quota binds while the queue grows for minutes on end
+            # (KVLedgerBoundByOneConstraint pending most of 10 minutes); --fault
+            # reserve-overcommit adds the load that exposes it (kvledger.sim.engine.FAULT_LOAD)
+            arrival_rate=5.0,
             output_log_mean=5.0,
             speculative_slots=2,
             parallel_prob=0.05,

@@ -14,7 +14,9 @@ seed and number of steps give the same ledger.
 
 - ``none``
 - ``reserve-overcommit``: a reserve-cap engine admits against physical free memory
-  instead of its quota (reserved > capacity).
+  instead of its quota (reserved > capacity). That only shows when demand exceeds the
+  quota, so the faulty engine also gets ``FAULT_LOAD`` times its arrival rate: the healthy
+  demo's engines are not saturated (tests/test_demo_quiet.py).
 - ``per-request-used``: the engine's own used-blocks claim
   (``pools[].engine_reported_used_blocks``) counts references, not unique blocks.
 - ``leak``: some releases are lost; the ledger's periodic sweep counts the leaks.
@@ -34,6 +36,8 @@ from typing import Any
 from kvledger_engine.reference_ledger import Ledger, OutOfBlocks, PoolSpec
 
 FAULTS = ("none", "reserve-overcommit", "per-request-used", "leak", "overflow")
+#: arrival-rate factor of a faulty engine: the load that exposes the fault
+FAULT_LOAD = {"reserve-overcommit": 1.5}
 GiB = 2**30
 
 
@@ -262,7 +266,7 @@ class SimEngine:
 
     def _step(self) -> None:
         p, rng, ledger = self.profile, self.rng, self.ledger
-        for _ in range(_poisson(rng, p.arrival_rate * p.step_seconds)):
+        for _ in range(_poisson(rng, p.arrival_rate * FAULT_LOAD.get(self.fault, 1.0) * p.step_seconds)):
             self._new_request()
         budget = p.max_num_batched_tokens
         docs = {r["id"]: r for r in ledger.to_document(include_blocks=False)["requests"]}
