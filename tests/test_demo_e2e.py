@@ -32,9 +32,16 @@ MOVING = [
     "kvledger_gpu_memory_unaccounted_bytes", "kvledger_host_buffer_bytes",
     "kvledger_network_queue_depth", "kvledger_source_last_success_timestamp_seconds",
 ]
-WITHIN = 10.0  # seconds after start by which every family moves
+# seconds after start by which every family moves: 15, not 10, since the healthy demo's sim-vllm
+# takes 2.5 requests/s (issue 22; 14 before), so its shared prefixes and tenant reservations come
+# a few seconds later on a loaded machine
+WITHIN = 15.0
+SPAN = f"{WITHIN:g}s"  # the range of the checks evaluated at STARTED + WITHIN: since the start
 STARTED = 0.0
-RISING_COUNTERS = ["kvledger_preemptions_total", "kvledger_prefix_cache_queried_tokens_total", "kvledger_prefix_cache_hit_tokens_total", "kvledger_admission_rechecks_total", "kvledger_reservation_overflows_total"]
+# Not kvledger_preemptions_total nor kvledger_reservation_overflows_total: the healthy demo preempts
+# rarely and its estimates hold (tests/test_demo_quiet.py: no alert over 30 minutes); they rise
+# under `--fault overflow` (KVLedgerEstimateOverflowing fires there).
+RISING_COUNTERS = ["kvledger_prefix_cache_queried_tokens_total", "kvledger_prefix_cache_hit_tokens_total", "kvledger_admission_rechecks_total"]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +51,7 @@ def demo_and_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
     STARTED = time.time()
     with run_demo(work / "demo") as daemon, start_prometheus(work / "prom", targets=[daemon.target]) as prom:
         prom.wait_for_target_up()
-        time.sleep(max(0.0, STARTED + WITHIN - time.time()) + 1)  # history up to 10 s after the demo started
+        time.sleep(max(0.0, STARTED + WITHIN - time.time()) + 1)  # history up to WITHIN after the demo started
         yield daemon, prom
 
 
@@ -57,13 +64,13 @@ def test_every_family_the_simulator_can_produce_is_present(demo_and_prometheus: 
 @pytest.mark.parametrize("name", MOVING)
 def test_gauges_move(demo_and_prometheus: tuple[Daemon, PrometheusServer], name: str) -> None:
     _, prom = demo_and_prometheus
-    # evaluated at 10 s after the demo process started: the values moved within that time
-    assert prom.query(f"max(changes({name}[10s])) > 0", at=STARTED + WITHIN), f"{name} did not change within 10 s of start"
+    # evaluated WITHIN seconds after the demo process started: the values moved within that time
+    assert prom.query(f"max(changes({name}[{SPAN}])) > 0", at=STARTED + WITHIN), f"{name} did not change within {SPAN} of start"
 
 
 def test_counters_rise(demo_and_prometheus: tuple[Daemon, PrometheusServer]) -> None:
     _, prom = demo_and_prometheus
-    flat = [c for c in RISING_COUNTERS if not prom.query(f"sum(increase({c}[10s])) > 0", at=STARTED + WITHIN)]
+    flat = [c for c in RISING_COUNTERS if not prom.query(f"sum(increase({c}[{SPAN}])) > 0", at=STARTED + WITHIN)]
     assert flat == []
 
 
@@ -143,8 +150,8 @@ def test_stock_engines_of_every_kind_are_read_with_their_bases(demo_and_promethe
     assert {r["metric"]["basis"] for r in prom.query('kvledger_kv_reserved_bytes{engine="sim-stock-tgi"}')} == {"exact"}
     assert prom.query('kvledger_kv_allocated_bytes{engine="sim-stock-tgi"}') == []
     moved = {r["metric"]["engine"] for r in prom.query(
-        'changes(kvledger_kv_blocks{engine=~"sim-stock-.*",state="in_use"}[10s]) > 0 '
-        'or changes(kvledger_kv_reserved_bytes{engine="sim-stock-tgi"}[10s]) > 0', at=STARTED + WITHIN)}
+        f'changes(kvledger_kv_blocks{{engine=~"sim-stock-.*",state="in_use"}}[{SPAN}]) > 0 '
+        f'or changes(kvledger_kv_reserved_bytes{{engine="sim-stock-tgi"}}[{SPAN}]) > 0', at=STARTED + WITHIN)}
     assert moved >= {"sim-stock-sglang", "sim-stock-trtllm", "sim-stock-triton", "sim-stock-tgi"}
 
 

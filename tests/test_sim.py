@@ -14,8 +14,8 @@ VALIDATOR = Draft202012Validator(load_schema())
 PROFILES = {p.name: p for p in demo_profiles()}
 
 
-def run(name, steps, fault="none", seed=7, check_every=10, leaks_possible=False):
-    engine = SimEngine(PROFILES[name], seed=seed, fault=fault)
+def run(name, steps, fault="none", seed=7, check_every=10, leaks_possible=False, **changes):
+    engine = SimEngine(dataclasses.replace(PROFILES[name], **changes), seed=seed, fault=fault)
     docs = []
     for i in range(steps):
         engine.step()
@@ -60,7 +60,9 @@ def test_same_seed_same_ledger():
 
 
 def test_dynamic_engine_shares_prefixes_preempts_and_moves_counters():
-    _, docs = run("sim-vllm", 150)
+    # busier than the demo's healthy 2.5 requests/s (tests/test_demo_quiet.py): a pool that runs
+    # out of blocks within 150 steps, so the engine preempts
+    _, docs = run("sim-vllm", 150, arrival_rate=14.0)
     last = docs[-1]
     assert any(d["pools"][0]["shared"] > 0 for d in docs)  # system-prompt prefix blocks shared
     assert any(d["pools"][0]["blocks"]["reclaimable"] > 0 for d in docs)
@@ -73,14 +75,15 @@ def test_dynamic_engine_shares_prefixes_preempts_and_moves_counters():
 
 
 def test_reserve_cap_engine_rejects_rechecks_when_full():
-    _, docs = run("sim-tgi", 150)
+    _, docs = run("sim-tgi", 150, arrival_rate=9.0)  # busier than the demo's 6/s: full within 150 steps
     assert docs[-1]["counters"]["admission_rechecks_rejected"] > 0
     assert docs[-1]["counters"]["preemptions"] == 0
     assert any(r["state"] == "waiting" for d in docs for r in d["requests"])
 
 
 def test_fault_reserve_overcommit_breaks_the_promise():
-    _, docs = run("sim-tgi", 150, fault="reserve-overcommit")
+    # busy, so that 150 steps fill the quota (in the demo it fires within minutes: tests/test_demo_quiet.py)
+    _, docs = run("sim-tgi", 150, fault="reserve-overcommit", arrival_rate=9.0)
     assert any(reserved_blocks(d) > d["pools"][0]["num_blocks"] for d in docs)
 
 

@@ -114,7 +114,7 @@ def test_ledger_cache_listener_reports_every_cached_and_evicted_block() -> None:
 
 def test_metrics_have_vllm_current_names_labels_and_types(stock) -> None:
     engine, frontend = stock
-    engine.run(40)
+    engine.run(80)  # long enough for a prefix-cache hit at the demo's 3.5 requests/s
     exp = parse_exposition(scrape(frontend))
     real = parse_exposition(FIXTURE.read_text())
     for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",

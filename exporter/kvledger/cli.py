@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from kvledger import __version__, version_text
 from kvledger.collect.collector import Collector
@@ -24,9 +24,13 @@ from kvledger.collect.sources.base import Source
 from kvledger.config.loader import load_config
 from kvledger.config.model import Config, ConfigError
 from kvledger.model.accounts import Accounts, ConfigReload
+from kvledger.model.facts import Sharing
 from kvledger.model.limits import MAX_CONTEXTS, MAX_TOKENS
 from kvledger.output.json_view import accounts_to_json
 from kvledger.web.server import KvledgerHTTPServer
+
+if TYPE_CHECKING:
+    from kvledger.sim.demo import Demo
 
 log = logging.getLogger("kvledger")
 
@@ -34,7 +38,7 @@ DEMO_LISTEN = "127.0.0.1:9477"
 LAB_LISTEN = "127.0.0.1:9478"
 
 
-def _collector(config: Config, extra: Sequence[Source] = ()) -> Collector:
+def _collector(config: Config, extra: Sequence[Source] = (), clock: Callable[[], float] = time.time) -> Collector:
     from kvledger.collect.sources.registry import build_sources
 
     sources, timeouts, base = build_sources(config)
@@ -46,6 +50,7 @@ def _collector(config: Config, extra: Sequence[Source] = ()) -> Collector:
         interval=config.interval_seconds,
         timeouts=timeouts,
         limits=config.limits,
+        clock=clock,
     )
 
 
@@ -210,8 +215,27 @@ def parse_faults(values: Sequence[str]) -> dict[str, str]:
     return faults
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
+def demo_config(demo: Demo, listen: str, interval: float, sharing: Sharing) -> Config:
+    """The daemon's configuration in `kvledger demo`: the simulated engines, no NVML."""
     from kvledger.config.model import NvmlConfig
+
+    return Config(
+        listen=listen,
+        interval_seconds=interval,
+        sharing=sharing,
+        nvml=NvmlConfig("false"),  # the demo's GPUs are simulated
+        engines=tuple(demo.engine_configs),
+        json_view=True,
+    )
+
+
+def demo_collector(demo: Demo, config: Config) -> Collector:
+    """The demo daemon's collector: the engines' sources and the simulated GPUs, on the demo's
+    clock when it runs on one (``start_demo(stepping=False)``)."""
+    return _collector(config, extra=[demo.gpu_source], clock=time.time if demo.clock is None else demo.clock)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
     from kvledger.sim.demo import start_demo
 
     try:
@@ -223,15 +247,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except ValueError as exc:  # an ENGINE=MODE naming no simulated engine
         print(f"kvledger demo: --fault: {exc}", file=sys.stderr)
         return 2
-    config = Config(
-        listen=args.listen,
-        interval_seconds=args.interval,
-        sharing=args.sharing,
-        nvml=NvmlConfig("false"),  # the demo's GPUs are simulated
-        engines=tuple(demo.engine_configs),
-        json_view=True,
-    )
-    collector = _collector(config, extra=[demo.gpu_source])
+    config = demo_config(demo, args.listen, args.interval, args.sharing)
+    collector = demo_collector(demo, config)
 
     def announce(server: KvledgerHTTPServer) -> None:  # printed once the port is ours, never before
         print(f"kvledger demo: simulated engines {', '.join(e.name for e in demo.engine_configs)} and "

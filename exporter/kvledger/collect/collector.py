@@ -113,6 +113,9 @@ class Collector:
     render_check: RenderCheck = check_renderable
     #: the configuration file's load status, set by ``kvledger serve`` at start and at each SIGHUP
     config_reload: ConfigReload | None = None
+    #: the wall clock of the timestamps it exports (last successes, the snapshot's time); a
+    #: simulated demo run faster than real time passes its own (tests/test_demo_quiet.py)
+    clock: Callable[[], float] = time.time
 
     def __post_init__(self) -> None:
         self._runners = [
@@ -288,7 +291,7 @@ class Collector:
                     r.health.up = True
                     r.health.reason = None
                     r.message = None
-                    r.health.last_success = time.time()
+                    r.health.last_success = self.clock()
                     r.health.document_age_seconds = r.source.document_age()
                 else:
                     self._mark_down(r, outcome.error.reason, outcome.error.message, outcome.unexpected)
@@ -317,7 +320,7 @@ class Collector:
     def _sub_health(self) -> list[SourceHealth]:
         """Health of parts a source runs itself (e.g. vLLM's KV-event subscriber and log reader)."""
         out = []
-        now = time.time()
+        now = self.clock()
         for r in self._runners:
             for report in r.source.subsource_health():
                 name, up, message = report.name, report.up, report.message
@@ -392,7 +395,7 @@ class Collector:
         snapshot = Snapshot(
             engines=[dataclasses.replace(e) for e in self.base_engines],
             sharing=self.sharing,
-            taken_at=time.time(),
+            taken_at=self.clock(),
         )
         fresh: set[str] = set()  # engines whose primary facts are new this cycle
         primary: dict[str, _Runner] = {}
@@ -435,7 +438,7 @@ class Collector:
                 self._mark_down(r, "internal", f"accounting failed: {type(exc).__name__}: {exc}")
         accounts = Accounts(
             [], [], [], None, [dataclasses.replace(r.health, errors=dict(r.health.errors)) for r in self._runners],
-            self.sharing, time.time(),
+            self.sharing, self.clock(),
         )
         with self._lock:
             self._latest = accounts

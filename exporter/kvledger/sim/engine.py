@@ -14,7 +14,9 @@ seed and number of steps give the same ledger.
 
 - ``none``
 - ``reserve-overcommit``: a reserve-cap engine admits against physical free memory
-  instead of its quota (reserved > capacity).
+  instead of its quota (reserved > capacity). That only shows when demand exceeds the
+  quota, so the faulty engine also gets ``FAULT_LOAD`` times its arrival rate: the healthy
+  demo's engines are not saturated (tests/test_demo_quiet.py).
 - ``per-request-used``: the engine's own used-blocks claim
   (``pools[].engine_reported_used_blocks``) counts references, not unique blocks.
 - ``leak``: some releases are lost; the ledger's periodic sweep counts the leaks.
@@ -34,6 +36,8 @@ from typing import Any
 from kvledger_engine.reference_ledger import Ledger, OutOfBlocks, PoolSpec
 
 FAULTS = ("none", "reserve-overcommit", "per-request-used", "leak", "overflow")
+#: arrival-rate factor of a faulty engine: the load that exposes the fault
+FAULT_LOAD = {"reserve-overcommit": 1.5}
 GiB = 2**30
 
 
@@ -63,6 +67,9 @@ class SimProfile:
     max_contexts: int = 4
     speculative_slots: int = 0
     estimate_prob: float = 0.0  # share of requests whose bound is an estimate
+    # the output an estimated bound stands for: the bound times uniform(0.5, this); above 1
+    # some estimates overflow (the ``overflow`` fault overflows most of them)
+    estimate_stretch_max: float = 1.25
     raise_bound_prob: float = 0.01  # per running request per step
     tenants: tuple[tuple[str, int | None], ...] = ()  # (name, quota bytes or None)
     gpus: tuple[int, ...] = (0,)
@@ -179,7 +186,7 @@ class SimEngine:
         estimate = rng.random() < (0.8 if self.fault == "overflow" else p.estimate_prob)
         if estimate:
             bound = max(1, min(wanted, room))
-            stretch = rng.uniform(1.1, 2.5) if self.fault == "overflow" else rng.uniform(0.5, 1.25)
+            stretch = rng.uniform(1.1, 2.5) if self.fault == "overflow" else rng.uniform(0.5, p.estimate_stretch_max)
             target = max(1, min(int(bound * stretch), room))
         else:
             bound = max(1, min(int(wanted * rng.uniform(1.0, 2.0)), room))
@@ -259,7 +266,7 @@ class SimEngine:
 
     def _step(self) -> None:
         p, rng, ledger = self.profile, self.rng, self.ledger
-        for _ in range(_poisson(rng, p.arrival_rate * p.step_seconds)):
+        for _ in range(_poisson(rng, p.arrival_rate * FAULT_LOAD.get(self.fault, 1.0) * p.step_seconds)):
             self._new_request()
         budget = p.max_num_batched_tokens
         docs = {r["id"]: r for r in ledger.to_document(include_blocks=False)["requests"]}

@@ -148,8 +148,9 @@ class SimLlamacpp:
 
     # ------------------------------------------------------------ lifecycle
 
-    def start(self) -> SimLlamacpp:
-        if self._thread is not None:
+    def start(self, *, stepping: bool = True) -> SimLlamacpp:
+        """Serve; ``stepping=False``: the server does not step on its own (the caller calls ``step``)."""
+        if self._thread is not None or self._httpd is not None:
             return self
         handler = type("Handler", (_Handler,), {"sim": self})
         self._httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -159,6 +160,8 @@ class SimLlamacpp:
         self._http_thread = threading.Thread(target=self._httpd.serve_forever, name=f"sim-llamacpp-http {self.profile.name}",
                                              daemon=True)
         self._http_thread.start()
+        if not stepping:
+            return self
         self._thread = threading.Thread(target=self._run, name=f"sim-llamacpp {self.profile.name}", daemon=True)
         self._thread.start()
         return self
