@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from harness.process import free_port
+from kvledger import __version__
 
 pytestmark = pytest.mark.image
 
@@ -67,6 +68,10 @@ def ensure_base() -> None:
     shutil.rmtree(rootfs, ignore_errors=True)
 
 
+#: the revision the test builds the image with, as a release build passes it
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
 @pytest.fixture(scope="module")
 def image() -> Iterator[dict[str, object]]:
     WORK.mkdir(parents=True, exist_ok=True)
@@ -74,7 +79,7 @@ def image() -> Iterator[dict[str, object]]:
     mounts = [a for path in ("/etc/pip.conf", "/etc/ssl/certs/ca-certificates.crt") if Path(path).exists()
               for a in ("--volume", f"{path}:{path}:ro")]
     buildah("bud", "--format", "docker", "--isolation", "chroot", "--network", "host", "--layers=false", *mounts,
-            "--build-arg", f"PYTHON_IMAGE={BASE}", "--tag", IMAGE, "--file", str(ROOT / "Dockerfile"), str(ROOT), timeout=1200)
+            "--build-arg", f"PYTHON_IMAGE={BASE}", "--build-arg", f"KVLEDGER_REVISION={REVISION}", "--tag", IMAGE, "--file", str(ROOT / "Dockerfile"), str(ROOT), timeout=1200)
     info: dict[str, object] = json.loads(buildah("inspect", "--type", "image", IMAGE).stdout)
     yield info
     buildah("rmi", "--force", IMAGE, check=False)
@@ -106,7 +111,9 @@ def test_image_runs_as_its_user_with_runtime_dependencies_only(container: str) -
     proc = run_in(container, "id -u; kvledger --version; "
                   "python3 -c 'import importlib.util as u; print([m for m in (\"pytest\", \"hypothesis\", \"mypy\", \"grafanalib\", \"pip\") if u.find_spec(m)])'")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.splitlines() == ["65532", "kvledger 0.1.0", "[]"]
+    lines = proc.stdout.splitlines()
+    # the revision given at build time (the Dockerfile's KVLEDGER_REVISION), not "unknown"
+    assert (lines[0], lines[1], lines[-1]) == ("65532", f"kvledger, version {__version__} (revision: {REVISION})", "[]")
 
 
 def test_healthcheck_passes_against_the_demo(image: dict[str, object], container: str) -> None:
