@@ -46,6 +46,20 @@ def documents(draw: st.DrawFn) -> dict[str, Any]:
             pool["block_refs"] = [[b, draw(st.integers(0, 3)), draw(st.booleans())] for b in range(n)]
         if draw(st.booleans()):
             pool["sliding_window"] = draw(st.sampled_from([64, 4096]))
+        if draw(st.booleans()):  # a hybrid model's KV-cache groups sharing the pool
+            kinds = draw(st.lists(st.sampled_from(["full_attention", "sliding_window", "chunked_local_attention", "mamba"]),
+                                  min_size=1, max_size=3))  # fmt: skip
+            left = in_use
+            groups = []
+            for g, kind in enumerate(kinds):
+                group: dict[str, Any] = {"id": str(g), "kind": kind, "in_use": (share := draw(st.integers(0, left)))}
+                left -= share
+                if kind in ("sliding_window", "chunked_local_attention"):
+                    group["window"] = draw(st.sampled_from([1, 64, 4096]))
+                elif kind == "mamba" and draw(st.booleans()):
+                    group["state_blocks"] = draw(st.integers(1, 3))
+                groups.append(group)
+            pool["groups"] = groups
         pools.append(pool)
     requests = []
     for i in range(draw(st.integers(0, 8))):

@@ -41,6 +41,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -300,8 +301,14 @@ def capture_point(label: str, server: VllmServer, daemon_url: str, stock_url: st
     return LedgerPoint(label, doc, recount, usage_blocks(text, usable), scrape, stock)
 
 
-def _daemon_config(server: VllmServer, ledger: bool) -> str:
-    return f"""\
+@contextmanager
+def _daemon(served: Served, tmp_path_factory: pytest.TempPathFactory, ledger: bool) -> Iterator[Daemon]:
+    """A daemon reading the served engine with its ledger, or the stock way (/metrics and KV
+    events only), up once the source that makes the difference is."""
+    server = served.server
+    work = tmp_path_factory.mktemp(f"kvledger-{'ledger' if ledger else 'stock'}-{served.hybrid.arch}")
+    config = work / "kvledger.yaml"
+    config.write_text(f"""\
 interval_seconds: 0.2
 nvml: {{enabled: false}}
 engines:
@@ -313,27 +320,23 @@ engines:
 {f"    ledger: {server.ledger_url}" if ledger else ""}
     kv_events: {server.events_url}
     kv_events_replay: {server.replay_url}
-"""
+""")
+    source = "ledger" if ledger else "kv_events"
+    with run_serve(work, config) as d:
+        wait_for_scrape(d.url, lambda s: s.up(source) == 1, 60, f"the {source} source up")
+        yield d
 
 
 @pytest.fixture(scope="module")
 def hybrid_daemon(served: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    work = tmp_path_factory.mktemp(f"kvledger-{served.hybrid.arch}")
-    config = work / "kvledger.yaml"
-    config.write_text(_daemon_config(served.server, ledger=True))
-    with run_serve(work, config) as d:
-        wait_for_scrape(d.url, lambda s: s.up("ledger") == 1, 60, "the ledger source up")
+    with _daemon(served, tmp_path_factory, ledger=True) as d:
         yield d
 
 
 @pytest.fixture(scope="module")
 def stock_daemon(served: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """The same engine read the stock way: /metrics and KV events, no ledger."""
-    work = tmp_path_factory.mktemp(f"kvledger-stock-{served.hybrid.arch}")
-    config = work / "kvledger.yaml"
-    config.write_text(_daemon_config(served.server, ledger=False))
-    with run_serve(work, config) as d:
-        wait_for_scrape(d.url, lambda s: s.up("kv_events") == 1, 60, "the kv_events source up")
+    with _daemon(served, tmp_path_factory, ledger=False) as d:
         yield d
 
 
