@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 from harness.kvledger_daemon import ROOT, _env, start_daemon
-from harness.process import free_port, start_ready
 from kvledger import __version__
 from kvledger.cli import JsonFormatter, LogfmtFormatter, build_parser
 
@@ -137,11 +136,9 @@ def _metrics(url: str) -> str:
 def test_the_daemon_logs_json_and_exports_its_build(tmp_path: Path) -> None:
     """`kvledger --log.format json demo --log.level debug --web.listen-address ...`: every
     line on stderr is a JSON object, debug included; /metrics names the build."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "kvledger.cli", "--log.format", "json", "demo", "--log.level", "debug",
-            "--web.listen-address", f"127.0.0.1:{port}"]
-    process = start_ready(argv, tmp_path / "kvledger.log", f"{url}/-/ready", 30.0, cwd=tmp_path, env=_env(None))
+    daemon = start_daemon(tmp_path, ["--log.format", "json", "demo", "--log.level", "debug"],
+                          listen_flag="--web.listen-address")
+    url, process = daemon.url, daemon.process
     try:
         text = _metrics(url)
     finally:

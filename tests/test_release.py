@@ -118,7 +118,8 @@ def test_the_wheels_install_into_a_clean_venv_and_report_their_build(dist: Path,
     # the installed daemon serves, and its build_info says the same
     port = free_port()
     process = start_ready([str(bin_dir / "kvledger"), "demo", "--web.listen-address", f"127.0.0.1:{port}"],
-                          tmp_path / "demo.log", f"http://127.0.0.1:{port}/-/ready", 60.0, cwd=tmp_path, env=_clean_env())
+                          tmp_path / "demo.log", f"http://127.0.0.1:{port}/-/ready", 60.0, cwd=tmp_path, env=_clean_env(),
+                          body_prefix=b"kvledger")  # not a simulated engine that took the port first
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
             body = resp.read().decode()

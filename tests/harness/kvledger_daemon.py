@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.process import ManagedProcess, free_port, start_ready
+from harness.process import ManagedProcess, ProcessError, free_port, start_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,15 +44,32 @@ def _env(extra: dict[str, str] | None) -> dict[str, str]:
     return env
 
 
+#: how /-/ready of kvledger (and of the cache lab) begins: a simulated engine of the demo,
+#: started before the daemon binds, may hold the port a test picked, and answers anything
+READY_BODY = b"kvledger"
+#: ports tried when the one picked is taken by the time the daemon binds it
+PORT_ATTEMPTS = 3
+
+
 def start_daemon(workdir: Path, args: Sequence[str], env: dict[str, str] | None = None,
-                 port: int | None = None, ready_timeout: float = 30.0) -> Daemon:
-    """``python -m kvledger.cli ARGS --listen 127.0.0.1:PORT``; returns once /-/ready answers."""
+                 port: int | None = None, ready_timeout: float = 30.0, listen_flag: str = "--listen") -> Daemon:
+    """``python -m kvledger.cli ARGS --listen 127.0.0.1:PORT``; returns once kvledger's own
+    /-/ready answers. A free port is picked unless ``port`` is given; when another process
+    (or the demo's own simulated engines, which bind ephemeral ports before the daemon
+    listens) took it meanwhile, the daemon exits ("cannot listen") and another is tried."""
     workdir.mkdir(parents=True, exist_ok=True)
-    port = port or free_port()
-    argv = [sys.executable, "-m", "kvledger.cli", *args, "--listen", f"127.0.0.1:{port}"]
-    proc = start_ready(argv, workdir / f"kvledger-{port}.log", f"http://127.0.0.1:{port}/-/ready", ready_timeout,
-                       cwd=workdir, env=_env(env))
-    return Daemon(proc, port)
+    for attempt in range(PORT_ATTEMPTS):
+        chosen = port or free_port()
+        argv = [sys.executable, "-m", "kvledger.cli", *args, listen_flag, f"127.0.0.1:{chosen}"]
+        try:
+            proc = start_ready(argv, workdir / f"kvledger-{chosen}.log", f"http://127.0.0.1:{chosen}/-/ready", ready_timeout,
+                               cwd=workdir, env=_env(env), body_prefix=READY_BODY)
+        except ProcessError as exc:
+            if port is not None or attempt == PORT_ATTEMPTS - 1 or "cannot listen" not in str(exc):
+                raise
+            continue
+        return Daemon(proc, chosen)
+    raise AssertionError("unreachable")
 
 
 @contextmanager

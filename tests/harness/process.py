@@ -60,9 +60,11 @@ class ManagedProcess:
         except FileNotFoundError:
             return ""
 
-    def wait_http_ok(self, url: str, timeout: float = 30.0, interval: float = 0.1) -> None:
-        """Poll ``url`` until it answers 200; ProcessError (with the log tail) when the
-        process exits first or ``timeout`` seconds pass."""
+    def wait_http_ok(self, url: str, timeout: float = 30.0, interval: float = 0.1, body_prefix: bytes | None = None) -> None:
+        """Poll ``url`` until it answers 200 (with a body starting ``body_prefix`` when given:
+        another server on that port, e.g. one the process itself started first, does not
+        count); ProcessError (with the log tail) when the process exits first or ``timeout``
+        seconds pass."""
         deadline = time.monotonic() + timeout
         last = "no attempt"
         while time.monotonic() < deadline:
@@ -72,9 +74,9 @@ class ManagedProcess:
                     f"{self.log_tail()}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as resp:
-                    if resp.status == 200:
+                    if resp.status == 200 and (body_prefix is None or resp.read(len(body_prefix)) == body_prefix):
                         return
-                    last = f"HTTP {resp.status}"
+                    last = f"HTTP {resp.status}" if resp.status != 200 else f"an answer not starting {body_prefix!r}"
             except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
                 last = str(exc)
             time.sleep(interval)
@@ -94,11 +96,12 @@ class ManagedProcess:
 
 
 def start_ready(argv: Sequence[str], log_path: Path, ready_url: str, timeout: float = 30.0,
-                cwd: Path | None = None, env: dict[str, str] | None = None) -> ManagedProcess:
-    """Start ``argv`` and return once ``ready_url`` answers 200; stop it if it never does."""
+                cwd: Path | None = None, env: dict[str, str] | None = None, body_prefix: bytes | None = None) -> ManagedProcess:
+    """Start ``argv`` and return once ``ready_url`` answers 200 (see ``wait_http_ok``); stop it
+    if it never does."""
     proc = ManagedProcess(argv, log_path, cwd=cwd, env=env)
     try:
-        proc.wait_http_ok(ready_url, timeout=timeout)
+        proc.wait_http_ok(ready_url, timeout=timeout, body_prefix=body_prefix)
     except BaseException:
         proc.stop()
         raise
