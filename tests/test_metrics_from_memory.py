@@ -9,6 +9,7 @@ import http.client
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,26 @@ def engine() -> Iterator[tuple[Ledger, LedgerServer]]:
 
 def _collector(url: str) -> Collector:
     return Collector([LedgerSource(EngineConfig(name="eng", kind="ledger", url=url, timeout_seconds=2.0))])
+
+
+@contextmanager
+def serving(url: str) -> Iterator[tuple[Collector, KvledgerHTTPServer]]:
+    """A collector polling the ledger at ``url`` every second and the daemon's HTTP server
+    on it, once the first accounting cycle is done; both stopped afterwards."""
+    collector = _collector(url)
+    collector.interval = 1.0
+    collector.start()
+    daemon = KvledgerHTTPServer("127.0.0.1:0", collector)
+    daemon.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not collector.ready():
+            assert time.monotonic() < deadline, "no accounting cycle"
+            time.sleep(0.05)
+        yield collector, daemon
+    finally:
+        daemon.stop()
+        collector.stop()
 
 
 def _get(endpoints: Endpoints, gzip_ok: bool) -> bytes:
@@ -120,16 +141,7 @@ def test_real_prometheus_scrapes_gzip_from_memory_and_plain_clients_get_text(
     tmp_path: Path, engine: tuple[Ledger, LedgerServer]
 ) -> None:
     _, server = engine
-    collector = _collector(server.url)
-    collector.interval = 1.0
-    collector.start()
-    daemon = KvledgerHTTPServer("127.0.0.1:0", collector)
-    daemon.start()
-    try:
-        deadline = time.monotonic() + 20
-        while not collector.ready():
-            assert time.monotonic() < deadline, "no accounting cycle"
-            time.sleep(0.05)
+    with serving(server.url) as (collector, daemon):
         host, port = daemon.server_address
         with start_prometheus(tmp_path, targets=[f"{host}:{port}"], scrape_interval="1s") as prom:
             prom.wait_for_target_up()
@@ -151,6 +163,3 @@ def test_real_prometheus_scrapes_gzip_from_memory_and_plain_clients_get_text(
         assert "content-encoding" not in plain_headers and zip_headers["content-encoding"] == "gzip"
         assert plain_headers["content-type"].startswith("text/plain; version=0.0.4")
         assert gzip.decompress(zipped) == plain and b"kvledger_kv_capacity_blocks" in plain
-    finally:
-        daemon.stop()
-        collector.stop()

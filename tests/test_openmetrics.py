@@ -23,7 +23,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 from test_exposition import rich_snapshot
-from test_metrics_from_memory import _collector, engine  # noqa: F401  (the fixture)
+from test_metrics_from_memory import _collector, engine, serving  # noqa: F401  (the fixture)
 
 from harness.process import require_binary
 from harness.prometheus import start_prometheus
@@ -42,7 +42,6 @@ from kvledger.output.prometheus import (
 from kvledger.policy.engine_accounts import compute_accounts
 from kvledger.web.connection import Request
 from kvledger.web.endpoints import Endpoints
-from kvledger.web.server import KvledgerHTTPServer
 
 PROMETHEUS_2 = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
                 "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
@@ -171,16 +170,7 @@ def test_a_real_prometheus_scrapes_openmetrics(tmp_path: Path, engine) -> None: 
     that only OpenMetrics carries, counters are stored under their _total samples, and
     the target reports no scrape error."""
     _, server = engine
-    collector = _collector(server.url)
-    collector.interval = 1.0
-    collector.start()
-    daemon = KvledgerHTTPServer("127.0.0.1:0", collector)
-    daemon.start()
-    try:
-        deadline = time.monotonic() + 20
-        while not collector.ready():
-            assert time.monotonic() < deadline, "no accounting cycle"
-            time.sleep(0.05)
+    with serving(server.url) as (_, daemon):
         headers, body = _scrape(daemon.url, PROMETHEUS_2)
         assert headers["content-type"] == OM_VERSIONED and body.endswith(b"# EOF\n")
         host, port = daemon.server_address
@@ -201,6 +191,3 @@ def test_a_real_prometheus_scrapes_openmetrics(tmp_path: Path, engine) -> None: 
             assert target["health"] == "up"
             scraped = prom.query_value(f'scrape_samples_scraped{{instance="{host}:{port}"}}')
             assert scraped is not None and scraped > 0
-    finally:
-        daemon.stop()
-        collector.stop()
