@@ -224,7 +224,7 @@ def test_sidecar_shares_the_ledger_socket_through_an_emptydir() -> None:
     volumes = {v["name"]: v for v in pod["volumes"]}
     cs = containers(deployment)
     vllm, kvledger = cs["vllm"], cs["kvledger"]
-    assert {"name": "KVLEDGER_VLLM_LEDGER", "value": SIDECAR_SOCKET} in vllm["env"]
+    assert {"name": "KVLEDGER_VLLM_LEDGER", "value": f"unix://{SIDECAR_SOCKET}"} in vllm["env"]
     socket_dir = str(Path(SIDECAR_SOCKET).parent)
     shared = [m["name"] for m in vllm["volumeMounts"] if m["mountPath"] == socket_dir]
     assert shared and [m["name"] for m in kvledger["volumeMounts"] if m["mountPath"] == socket_dir] == shared

@@ -26,12 +26,13 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Option:
     """A configuration key only this kind accepts; the loader checks it by ``value``:
-    ``address`` (tcp://, ipc://, http(s):// or unix:///absolute/path), ``path`` (a file),
+    ``address`` (tcp://, ipc://, http(s):// or unix:///absolute/path), ``zmq`` (a ZMQ endpoint:
+    tcp://HOST:PORT or ipc:///path), ``path`` (a file),
     ``boolean`` (true or false, kept as the text "true" or "false") or ``tokens`` (a whole
     number of tokens, 1 .. 2**30, kept as its decimal text)."""
 
     name: str
-    value: Literal["address", "path", "boolean", "tokens"]
+    value: Literal["address", "zmq", "path", "boolean", "tokens"]
     help: str
 
 
@@ -82,8 +83,8 @@ register(EngineKind(
     name="vllm",
     source="kvledger.collect.sources.vllm.source:VllmSource",
     options=(
-        Option("kv_events", "address", "the ZMQ publisher of KV events (--kv-events-config endpoint)"),
-        Option("kv_events_replay", "address", "the ZMQ replay endpoint (replay_endpoint)"),
+        Option("kv_events", "zmq", "the ZMQ publisher of KV events (--kv-events-config endpoint)"),
+        Option("kv_events_replay", "zmq", "the ZMQ replay endpoint (replay_endpoint)"),
         Option("log_file", "path", "the server's log, for the startup memory profile"),
         Option("ledger", "address", "the in-engine integration's kvledger/v1 address (KVLEDGER_VLLM_LEDGER; {dp_rank} per rank)"),
     ),
