@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tls_support import make_pki
 
 from kvledger.config.loader import load_config
 from kvledger.config.model import ConfigError
 from kvledger.config.reference import MEANING, field_paths
 from kvledger.output.catalog import CATALOG, LABELS
 from kvledger.tools.docgen import TARGETS, main
-from tls_support import make_pki
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])

@@ -55,7 +55,8 @@ MEANING: dict[str, str] = {
     "engines[].timeout_seconds": "per poll: connect, headers and body together, 0.1 s to 10 min",
     "engines[].admission": "override the engine's admission rule: `reserve-cap` or `dynamic`",
     "engines[].overflow": "override what happens when an estimate is exceeded",
-    "engines[].block_bytes": "bytes of one KV block over all layers and TP ranks, when the engine does not export it (or `model`, not both)",
+    "engines[].block_bytes": "bytes of one KV block over all layers and TP ranks, when the engine does not export it "
+                             "(or `model`, not both)",
     "engines[].model.config": "a model's Hugging Face config.json, relative to this file; read and checked at load",
     "engines[].model.kv_dtype": "KV cache element type (`auto` follows the model's dtype; `fp8`, ...)",
     "engines[].model.tensor_parallel": "tensor-parallel ranks the KV heads are split over",
@@ -124,7 +125,7 @@ def _describe(name: str, tp: Any) -> str:
         return "list of integers"
     if tp is model.Secret:
         return "text (secret: shown as `<secret>`)"
-    if tp is str and name.endswith("_file") or name == "config":
+    if (tp is str and name.endswith("_file")) or name == "config":
         return "file path"
     if tp is str and (name == "url" or name.endswith("_endpoint")):
         return "URL"
@@ -153,9 +154,10 @@ def _default(f: dataclasses.Field[Any]) -> str:
     return f"`{value}`"
 
 
-def _walk(cls: type, prefix: str, common: bool) -> Iterator[Row]:
+def _walk(cls: Any, prefix: str, common: bool) -> Iterator[Row]:
+    """The rows of a dataclass's fields; ``common``: they are keys of an engine entry."""
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f in dataclasses.fields(cls):
         key = KEY.get((cls, f.name), f.name)
         if key is None:
             continue
@@ -173,9 +175,8 @@ def _walk(cls: type, prefix: str, common: bool) -> Iterator[Row]:
         elif inner in (model.LimitConfig,):
             yield Row(path, f"`{{value: {'SIZE' if key.endswith('_bytes') else 'N'}, kind: hard \\| estimate}}`", "-",
                       _kinds(common), MEANING[path])
-        elif inner is model.NvmlConfig or inner is model.LimitsConfig or (dataclasses.is_dataclass(inner) and inner not in (
-                model.EngineConfig,)):
-            yield from _walk(inner, f"{path}.", common)  # type: ignore[arg-type]
+        elif dataclasses.is_dataclass(inner):
+            yield from _walk(inner, f"{path}.", common)
         elif typing.get_origin(inner) is tuple and args and dataclasses.is_dataclass(args[0]):
             yield Row(path, "list of mappings", "-", _kinds(bool(prefix)), MEANING[path])
             yield from _walk(args[0], f"{path}[].", common or args[0] is model.EngineConfig)
