@@ -25,7 +25,7 @@ $(RUNTIME_STAMP): pyproject.toml engine/pyproject.toml
 
 venv: $(STAMP)
 
-# make demo FAULT=reserve-overcommit: the demo with a fault (README, "See an alert fire in five minutes")
+# make demo FAULT=reserve-overcommit: the demo with a fault (docs/alerts.md, "See an alert fire in five minutes")
 FAULT ?=
 demo: $(RUNTIME_STAMP)
 	$(VENV)/bin/kvledger demo --listen $(LISTEN)$(if $(FAULT), --fault $(FAULT))

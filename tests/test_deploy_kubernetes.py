@@ -264,7 +264,7 @@ def test_daemonset_sees_the_host() -> None:
 
 
 def test_images_and_users_match_the_dockerfile_and_the_package() -> None:
-    version = __version__  # the one place: kvledger/__init__.py (pyproject.toml reads it)
+    version = __version__  # written once: engine/kvledger_engine/__init__.py; the image tags follow it
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "USER 65532:65532" in dockerfile
     for kind, name in (("DaemonSet", "kvledger"), ("Deployment", "vllm")):

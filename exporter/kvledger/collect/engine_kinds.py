@@ -44,7 +44,7 @@ class EngineKind:
     admission: Admission | None  # the engine's rule, when neither it nor the config says
     overflow: Overflow | None
     docs: str  # the kind's page, relative to the repository root
-    summary: str  # one line for error messages and the README
+    summary: str  # one line for error messages and the table of kinds (docs/engines/index.md)
 
     def build(self, cfg: EngineConfig) -> Source:
         module, _, cls = self.source.partition(":")

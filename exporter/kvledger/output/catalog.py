@@ -2,7 +2,7 @@
 labels, stability) together with how its samples are read from the Accounts, and the
 vocabulary of label names (LABELS: each name's one meaning and its closed set of values).
 
-The Prometheus collector, the OTLP output, the README's metric reference, the
+The Prometheus collector, the OTLP output, the metric reference (docs/metrics.md), the
 dashboards and the alert lint all read this list; nothing else names a metric.
 """
 

@@ -6,7 +6,8 @@
 - the configuration reference from the typed model (kvledger.config.reference):
   docs/configuration.md;
 - the table of engine kinds from their registrations (kvledger.collect.engine_kinds):
-  README.md and docs/engines/index.md.
+  docs/engines/index.md (and any target that holds its markers; README.md is kept in the
+  list so that a generated section placed there stays fresh).
 
 Each section sits between BEGIN/END markers in its file; text outside them is the page's own.
 
