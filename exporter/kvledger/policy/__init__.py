@@ -2,6 +2,6 @@
 
 By concern: ``measures`` (exact, bound or absent), ``reservations`` (R(r) and the request
 columns), ``physical`` (unique blocks), ``invariants``, ``engine_accounts`` (pools, tenants,
-engines, ``compute_accounts``), ``device_budget`` (GPU memory terms), ``sizing`` (the planner).
+engines), ``device_budget`` (GPU memory terms), ``sizing`` (the planner).
 Nothing here does I/O; nothing outside this package does accounting arithmetic.
 """
