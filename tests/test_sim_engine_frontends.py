@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 from accounting_support import accounts_of
 
-from kvledger.collect.engine_kinds import KINDS
 from kvledger.collect.merge import configured_facts, merge
+from kvledger.collect.sources.registry import SOURCES
 from kvledger.model.accounts import EngineAccount
 from kvledger.model.facts import Snapshot
 from kvledger.sim.demo import demo_profiles, exposition_engine_config
@@ -26,7 +26,7 @@ def stock(request: pytest.FixtureRequest) -> Iterator[tuple[SimEngine, object, o
     engine = SimEngine(PROFILES[request.param], seed=11, pid=4242)  # stepped by hand: frozen between reads
     frontend = FRONTENDS[request.param](engine).start()
     cfg = exposition_engine_config(engine, frontend)
-    source = KINDS[cfg.kind].build(cfg)
+    source = SOURCES[cfg.kind](cfg)
     try:
         yield engine, cfg, source
     finally:
@@ -81,7 +81,7 @@ def test_sglang_host_tier_counts_evictions_and_load_backs() -> None:
     engine = SimEngine(PROFILES["sglang"], seed=5)
     frontend = FRONTENDS["sglang"](engine).start()
     cfg = exposition_engine_config(engine, frontend)
-    source = KINDS[cfg.kind].build(cfg)
+    source = SOURCES[cfg.kind](cfg)
     try:
         for _ in range(400):
             engine.step()
