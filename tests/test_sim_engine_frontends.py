@@ -12,6 +12,7 @@ from accounting_support import accounts_of
 
 from kvledger.collect.merge import configured_facts, merge
 from kvledger.collect.sources.registry import SOURCES
+from kvledger.config.engine_kinds import KINDS
 from kvledger.model.accounts import EngineAccount
 from kvledger.model.facts import Snapshot
 from kvledger.sim.demo import demo_profiles, exposition_engine_config
@@ -32,6 +33,18 @@ def stock(request: pytest.FixtureRequest) -> Iterator[tuple[SimEngine, object, o
     finally:
         source.close()
         frontend.stop()
+
+
+def test_every_simulated_engine_is_of_a_registered_kind_and_follows_its_rules() -> None:
+    """The simulator takes its kinds from the registration: each frontend serves a registered
+    kind with that kind's own keys, and each stock engine admits and overflows by its kind's rules."""
+    assert set(FRONTENDS) <= set(KINDS)
+    for kind, profile in PROFILES.items():
+        options = FRONTENDS[kind](SimEngine(profile, seed=0)).options()
+        assert {key for key, _ in options} <= {o.name for o in KINDS[kind].options}, kind
+    stock = [p for p in demo_profiles() if p.served_as != "ledger"]
+    assert stock and all((p.engine_kind, p.admission, p.overflow) == (p.served_as, KINDS[p.served_as].admission,
+                                                                      KINDS[p.served_as].overflow) for p in stock)
 
 
 def read(cfg, source) -> EngineAccount:  # type: ignore[no-untyped-def]
