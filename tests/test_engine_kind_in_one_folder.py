@@ -7,6 +7,7 @@ the default rules its registration gives, while no file of the package names it.
 
 from __future__ import annotations
 
+import ast
 import http.server
 import importlib
 import sys
@@ -177,3 +178,22 @@ def test_every_registered_kind_has_its_source_class() -> None:
     """The kinds table and the registry name the same kinds, each class the kind it serves."""
     assert set(SOURCES) == set(KINDS)
     assert {kind: getattr(cls, "kind", None) for kind, cls in SOURCES.items()} == {kind: kind for kind in KINDS}
+
+
+def test_outside_its_folder_and_its_registration_no_module_names_a_kind() -> None:
+    """Every registered kind is named (as a string) only in its source folder, the kinds table,
+    the registry and the simulator of that engine: the loader, the merge, the policy, the
+    outputs and the web take it from the registration. ``ledger`` is left out: the word is
+    also the key of the vLLM and SGLang in-engine ledgers' address."""
+    package = ROOT / "exporter" / "kvledger"
+    registration = {package / "config" / "engine_kinds.py", package / "collect" / "sources" / "registry.py"}
+    wrong = []
+    for path in sorted(package.rglob("*.py")):
+        if path in registration or path.parent.name == "sim":
+            continue
+        named = {n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant)
+                 and isinstance(n.value, str) and n.value in KINDS and n.value != "ledger"}
+        home = package / "collect" / "sources"
+        wrong += [f"{path.relative_to(ROOT)} names {kind!r}" for kind in sorted(named)
+                  if home / kind.replace("-", "_") not in path.parents]
+    assert wrong == []
