@@ -30,6 +30,7 @@ from kvledger.collect.sources.tgi.metrics import tgi_facts
 from kvledger.collect.sources.triton_trtllm.metrics import triton_trtllm_facts
 from kvledger.collect.sources.trtllm.metrics import trtllm_facts
 from kvledger.collect.sources.vllm.metrics import vllm_facts_from_metrics
+from kvledger.config.engine_kinds import KINDS as REGISTERED
 from kvledger.config.model import EngineConfig
 from kvledger.model.facts import EngineFacts, PoolFacts, Snapshot
 from kvledger.model.limits import MAX_SAFE_INT
@@ -55,6 +56,11 @@ KINDS: dict[str, tuple[str, Callable[[str], object]]] = {
     "tgi": ("tgi/tgi-2-paged-metrics.txt", lambda t: tgi_facts(t, _cfg("tgi", options=(("block_size", "16"),)))),
     "llamacpp": ("llamacpp/llamacpp-b11434-split-busy-metrics.txt", parse_metrics),
 }
+
+
+def test_every_registered_kind_that_reads_an_exposition_is_here() -> None:
+    """The registered kinds (config/engine_kinds.py), less ``ledger`` (kvledger/v1 JSON documents)."""
+    assert sorted(KINDS) == sorted(set(REGISTERED) - {"ledger"})
 
 
 # ---------------------------------------------------------------- 1. every parser error is a parse error

@@ -12,7 +12,7 @@ import pytest
 from accounting_support import accounts_of
 from test_exposition import rich_snapshot
 
-from kvledger.collect.engine_kinds import KINDS
+from kvledger.config.engine_kinds import KINDS
 from kvledger.output.catalog import CATALOG, RENAMED_FAMILIES, RENAMED_LABELS
 from kvledger.tools.plan import parse_live
 
