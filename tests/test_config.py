@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from kvledger.config.engine_kinds import KINDS
 from kvledger.config.loader import load_config, parse_duration, parse_size
 from kvledger.config.model import ConfigError
 
@@ -107,7 +108,7 @@ def test_otlp_and_json_view(tmp_path: Path) -> None:
         load_config(write(tmp_path, "otlp: {endpoint: 'http://x:4318', headers: {}}\n"))
 
 
-# ---------------------------------------------------------------- engine kinds (collect/engine_kinds.py)
+# ---------------------------------------------------------------- engine kinds (config/engine_kinds.py)
 
 
 def _one_engine(tmp_path: Path, body: str) -> Path:
@@ -126,8 +127,6 @@ def planned_kind(monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def test_unknown_kind_lists_only_kinds_that_work(tmp_path: Path, planned_kind: str) -> None:
-    from kvledger.collect.engine_kinds import KINDS
-
     with pytest.raises(ConfigError) as err:
         load_config(_one_engine(tmp_path, "kind: nope"))
     assert f"must be one of {', '.join(KINDS)}" in str(err.value)
@@ -139,9 +138,9 @@ def test_planned_kind_is_refused_with_the_way_forward(tmp_path: Path, planned_ki
         load_config(_one_engine(tmp_path, f"kind: {planned_kind}"))
 
 
-@pytest.mark.parametrize("kind", ["sglang", "trtllm", "triton-trtllm", "tgi"])
+@pytest.mark.parametrize("kind", sorted(KINDS))
 def test_accepted_engine_kinds_load_with_kind_and_url_alone(tmp_path: Path, kind: str) -> None:
-    from kvledger.collect.engine_kinds import PLANNED
+    from kvledger.config.engine_kinds import PLANNED
 
     assert kind not in PLANNED
     assert load_config(_one_engine(tmp_path, f"kind: {kind}")).engines[0].kind == kind

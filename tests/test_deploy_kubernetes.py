@@ -34,7 +34,7 @@ import pytest
 import yaml
 
 from kvledger import __version__
-from kvledger.collect.engine_kinds import kind_specific_keys
+from kvledger.config.engine_kinds import kind_specific_keys
 from kvledger.config.loader import config_from_mapping
 
 ROOT = Path(__file__).resolve().parents[1]

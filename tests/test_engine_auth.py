@@ -23,6 +23,7 @@ from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.document import LedgerSource
 from kvledger.collect.sources.http_client import HttpClient
 from kvledger.collect.sources.registry import build_sources
+from kvledger.config.engine_kinds import KINDS
 from kvledger.config.loader import config_from_mapping, load_config
 from kvledger.config.model import ConfigError, EngineConfig, Secret
 
@@ -145,8 +146,8 @@ def test_token_and_client_certificate_together(tmp_path: Path, pki: Pki) -> None
 
 def test_every_http_source_of_every_kind_presents_the_engine_settings(tmp_path: Path) -> None:
     """Each kind's HTTP clients are built with the engine's ClientAuth (none is left out)."""
-    kinds = {"vllm": {}, "sglang": {"server_info_url": "http://127.0.0.1:1/server_info"}, "trtllm": {}, "triton-trtllm": {},
-             "tgi": {}, "llamacpp": {}, "ledger": {}}
+    extras: dict[str, dict[str, str]] = {"sglang": {"server_info_url": "http://127.0.0.1:1/server_info"}}
+    kinds = {kind: extras.get(kind, {}) for kind in KINDS}  # every registered kind
     for kind, extra in kinds.items():
         path = tmp_path / f"{kind}.yml"
         path.write_text(yaml.safe_dump({"nvml": {"enabled": False}, "engines": [

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from harness.engine_fakes import KINDS as FAKES
 from harness.engine_fakes import FakeEngine
 from harness.httpjson import wait_until
 from harness.kvledger_daemon import Daemon, run_serve
 from harness.prometheus import PrometheusServer, start_prometheus
+from kvledger.config.engine_kinds import KINDS
 
 pytestmark = pytest.mark.e2e
 
@@ -134,3 +136,8 @@ def test_check_accepts_every_kind_and_reports_a_failing_one(stack, tmp_path: Pat
     finally:
         engines["tgi"].mode = "ok"
     assert run.returncode == 1 and "FAIL  tgi/tgi: http_status" in run.stdout
+
+
+def test_every_registered_kind_with_a_fake_engine_is_read() -> None:
+    """The kinds above are every registered kind (config/engine_kinds.py) that a fake engine serves."""
+    assert sorted(NAMES) == sorted(k for k in KINDS if k in FAKES)

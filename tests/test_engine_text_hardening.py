@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from accounting_support import accounts_of, no_render_check
 
 from kvledger.collect.collector import Collector
 from kvledger.collect.sources.base import Contribution, EngineContribution, Source, SourceError
@@ -29,11 +30,11 @@ from kvledger.collect.sources.tgi.metrics import tgi_facts
 from kvledger.collect.sources.triton_trtllm.metrics import triton_trtllm_facts
 from kvledger.collect.sources.trtllm.metrics import trtllm_facts
 from kvledger.collect.sources.vllm.metrics import vllm_facts_from_metrics
+from kvledger.config.engine_kinds import KINDS as REGISTERED
 from kvledger.config.model import EngineConfig
 from kvledger.model.facts import EngineFacts, PoolFacts, Snapshot
 from kvledger.model.limits import MAX_SAFE_INT
 from kvledger.output.prometheus import check_renderable, render_text
-from kvledger.policy.engine_accounts import compute_accounts
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -55,6 +56,11 @@ KINDS: dict[str, tuple[str, Callable[[str], object]]] = {
     "tgi": ("tgi/tgi-2-paged-metrics.txt", lambda t: tgi_facts(t, _cfg("tgi", options=(("block_size", "16"),)))),
     "llamacpp": ("llamacpp/llamacpp-b11434-split-busy-metrics.txt", parse_metrics),
 }
+
+
+def test_every_registered_kind_that_reads_an_exposition_is_here() -> None:
+    """The registered kinds (config/engine_kinds.py), less ``ledger`` (kvledger/v1 JSON documents)."""
+    assert sorted(KINDS) == sorted(set(REGISTERED) - {"ledger"})
 
 
 # ---------------------------------------------------------------- 1. every parser error is a parse error
@@ -203,10 +209,10 @@ def test_a_number_beyond_2_53_makes_its_engine_invalid_alone(what: str, change: 
 
 def test_the_exposition_check_is_the_one_place_for_the_range() -> None:
     facts = EngineFacts(name="e", kind="ledger", source="ledger", pools=[_pool()], counters={"preemptions": float(MAX_SAFE_INT)})
-    check_renderable(compute_accounts(Snapshot(engines=[facts])))  # 2**53 - 1 itself is exported
+    check_renderable(accounts_of(Snapshot(engines=[facts])))  # 2**53 - 1 itself is exported
     over = dataclasses.replace(facts, counters={"preemptions": float(MAX_SAFE_INT + 1)})
     with pytest.raises(ValueError, match=r"kvledger_preemptions_total\{engine=\"e\"\}: value 9007199254740992.0 is beyond"):
-        check_renderable(compute_accounts(Snapshot(engines=[over])))
+        check_renderable(accounts_of(Snapshot(engines=[over]), render_check=no_render_check))
 
 
 # ---------------------------------------------------------------- the README lists every reason
@@ -257,11 +263,11 @@ def _reasons_in_code() -> set[str]:
 
 
 def test_the_reason_table_holds_every_reason_the_code_can_give() -> None:
-    """kvledger.collect.reasons.REASONS (docs/metrics.md is generated from it) holds every reason
+    """kvledger.output.catalog.REASONS (docs/metrics.md is generated from it) holds every reason
     the code gives, and no reason the code no longer gives."""
-    from kvledger.collect.reasons import REASONS
+    from kvledger.output.catalog import REASONS
 
     reasons = _reasons_in_code()
     assert {"connect", "timeout", "too_large", "parse", "missing", "invalid", "internal", "unavailable"} <= reasons
-    assert sorted(reasons - set(REASONS)) == [], "reasons missing from kvledger.collect.reasons.REASONS"
+    assert sorted(reasons - set(REASONS)) == [], "reasons missing from kvledger.output.catalog.REASONS"
     assert sorted(set(REASONS) - reasons) == [], "REASONS lists a reason the code no longer gives"

@@ -24,6 +24,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from kvledger.collect.merge import configured_facts, merge
+from kvledger.config.engine_kinds import KINDS
 from kvledger.config.loader import config_from_mapping, load_config
 from kvledger.config.model import MAX_INTERVAL, MAX_TIMEOUT, MIN_INTERVAL, MIN_TIMEOUT, Config, ConfigError
 from kvledger.model.limits import MAX_SAFE_INT, MAX_TOKENS
@@ -39,7 +40,7 @@ PLAUSIBLE: dict[str, Any] = {
     "listen": ["127.0.0.1:9477", ":0", "host:65536"], "interval_seconds": [0.1, 0.25, 1, "500ms", "1ms", "2h", 3600],
     "policy": [{"sharing": "reference-aware"}], "nvml": [{"enabled": "auto"}, {"enabled": False}],
     "json_view": [True], "otlp": [{"endpoint": "http://127.0.0.1:4318"}],
-    "name": ["e", "healthy", ""], "kind": ["ledger", "vllm", "tgi"],
+    "name": ["e", "healthy", ""], "kind": list(KINDS),
     "url": ["http://127.0.0.1:8000/metrics", "unix:///run/e.sock", "unix://etc/passwd", "unix:///", "http://", "https://h",
             "tcp://1.2.3.4:5", "ftp://x"],
     "timeout_seconds": [0.05, 0.1, 2, "1s", "10m", "11m"], "kv_events": ["tcp://127.0.0.1:5557", "ipc:///tmp/x"],

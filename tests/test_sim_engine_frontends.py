@@ -8,12 +8,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from accounting_support import accounts_of
 
-from kvledger.collect.engine_kinds import KINDS
 from kvledger.collect.merge import configured_facts, merge
+from kvledger.collect.sources.registry import SOURCES
+from kvledger.config.engine_kinds import KINDS
 from kvledger.model.accounts import EngineAccount
 from kvledger.model.facts import Snapshot
-from kvledger.policy.engine_accounts import compute_accounts
 from kvledger.sim.demo import demo_profiles, exposition_engine_config
 from kvledger.sim.engine import SimEngine
 from kvledger.sim.engine_frontends import FRONTENDS
@@ -26,7 +27,7 @@ def stock(request: pytest.FixtureRequest) -> Iterator[tuple[SimEngine, object, o
     engine = SimEngine(PROFILES[request.param], seed=11, pid=4242)  # stepped by hand: frozen between reads
     frontend = FRONTENDS[request.param](engine).start()
     cfg = exposition_engine_config(engine, frontend)
-    source = KINDS[cfg.kind].build(cfg)
+    source = SOURCES[cfg.kind](cfg)
     try:
         yield engine, cfg, source
     finally:
@@ -34,9 +35,21 @@ def stock(request: pytest.FixtureRequest) -> Iterator[tuple[SimEngine, object, o
         frontend.stop()
 
 
+def test_every_simulated_engine_is_of_a_registered_kind_and_follows_its_rules() -> None:
+    """The simulator takes its kinds from the registration: each frontend serves a registered
+    kind with that kind's own keys, and each stock engine admits and overflows by its kind's rules."""
+    assert set(FRONTENDS) <= set(KINDS)
+    for kind, profile in PROFILES.items():
+        options = FRONTENDS[kind](SimEngine(profile, seed=0)).options()
+        assert {key for key, _ in options} <= {o.name for o in KINDS[kind].options}, kind
+    stock = [p for p in demo_profiles() if p.served_as != "ledger"]
+    assert stock and all((p.engine_kind, p.admission, p.overflow) == (p.served_as, KINDS[p.served_as].admission,
+                                                                      KINDS[p.served_as].overflow) for p in stock)
+
+
 def read(cfg, source) -> EngineAccount:  # type: ignore[no-untyped-def]
     facts = merge(source.poll().facts, configured_facts(cfg))
-    return compute_accounts(Snapshot(engines=[facts])).engines[0]
+    return accounts_of(Snapshot(engines=[facts])).engines[0]
 
 
 def test_exports_match_the_true_ledger_at_every_read(stock) -> None:  # type: ignore[no-untyped-def]
@@ -81,7 +94,7 @@ def test_sglang_host_tier_counts_evictions_and_load_backs() -> None:
     engine = SimEngine(PROFILES["sglang"], seed=5)
     frontend = FRONTENDS["sglang"](engine).start()
     cfg = exposition_engine_config(engine, frontend)
-    source = KINDS[cfg.kind].build(cfg)
+    source = SOURCES[cfg.kind](cfg)
     try:
         for _ in range(400):
             engine.step()

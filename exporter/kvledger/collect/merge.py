@@ -27,8 +27,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TypeVar
 
-from kvledger.collect.engine_kinds import KINDS
 from kvledger.collect.sources.base import Contribution, EngineContribution, find_engine
+from kvledger.config.engine_kinds import KINDS
 from kvledger.config.model import EngineConfig
 from kvledger.model.facts import Budgets, EngineFacts, HostFacts, Limit, MemoryTerm, Snapshot, TenantQuota
 

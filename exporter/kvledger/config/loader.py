@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from kvledger.collect.engine_kinds import KINDS, PLANNED, kind_specific_keys
+from kvledger.config.engine_kinds import KINDS, PLANNED, kind_specific_keys
 from kvledger.config.model import (
     DEFAULT_INTERVAL,
     DEFAULT_LISTEN,
@@ -147,12 +147,13 @@ D = TypeVar("D")
 L = TypeVar("L", bound=str)
 
 
-class _Reader:
+class MappingReader:
     """Walks a mapping, recording which keys were read, and names the key path in errors.
 
     ``keys``, when given, are the keys the mapping may hold: a missing required key is
     then reported together with the unknown keys given instead (a typo of it, mostly).
-    Without them, unread keys that look like the missing one are named."""
+    Without them, unread keys that look like the missing one are named. Public: the web
+    configuration (``kvledger.web.web_config``) is read with it too."""
 
     def __init__(self, file: str, path: str, data: object, keys: Iterable[str] = ()) -> None:
         self.file = file
@@ -198,11 +199,11 @@ class _Reader:
         except (ValueError, TypeError) as exc:
             raise self.error(str(exc), key) from None
 
-    def child(self, key: str, keys: Iterable[str] = ()) -> _Reader | None:
+    def child(self, key: str, keys: Iterable[str] = ()) -> MappingReader | None:
         self.seen.add(key)
         if key not in self.data or self.data[key] is None:
             return None
-        return _Reader(self.file, f"{self.path}.{key}" if self.path else key, self.data[key], keys)
+        return MappingReader(self.file, f"{self.path}.{key}" if self.path else key, self.data[key], keys)
 
     def _unknown(self, known: Iterable[str]) -> list[str]:
         known = set(known)
@@ -307,7 +308,7 @@ def _int_list(value: Any) -> tuple[int, ...]:
 
 # ---------------------------------------------------------------- sections
 
-def _size_with_source(r: _Reader, key: str) -> SizeWithSource | None:
+def _size_with_source(r: MappingReader, key: str) -> SizeWithSource | None:
     raw = r.data.get(key)
     if raw is None:
         r.seen.add(key)
@@ -321,7 +322,7 @@ def _size_with_source(r: _Reader, key: str) -> SizeWithSource | None:
     return SizeWithSource(r.get(key, parse_size, 0), "configured")
 
 
-def _limit(r: _Reader, key: str, conv: Callable[[Any], float]) -> LimitConfig | None:
+def _limit(r: MappingReader, key: str, conv: Callable[[Any], float]) -> LimitConfig | None:
     raw = r.data.get(key)
     if raw is None:
         r.seen.add(key)
@@ -407,11 +408,11 @@ def _zmq_address(raw: Any) -> str:
     return value
 
 
-def _client_auth(r: _Reader, url: str) -> tuple[AuthorizationConfig | None, BasicAuthConfig | None, TlsClientConfig | None]:
+def _client_auth(r: MappingReader, url: str) -> tuple[AuthorizationConfig | None, BasicAuthConfig | None, TlsClientConfig | None]:
     """An engine's authorization, basic_auth and tls_config, checked as Prometheus checks a
     scrape_config's: at most one way to authenticate, a credential or its file (not both),
     a client certificate with its key; every file readable, the TLS ones loadable."""
-    from kvledger.collect.engine_tls import client_ssl_context
+    from kvledger.config.engine_tls import client_ssl_context
 
     base = Path(r.file).parent if r.file != "<config>" else None
     authorization = None
@@ -438,7 +439,7 @@ def _client_auth(r: _Reader, url: str) -> tuple[AuthorizationConfig | None, Basi
     if (c := r.child("tls_config", keys)) is not None:
         tls = TlsClientConfig(c.get("ca_file", _file_in(base), None), c.get("cert_file", _file_in(base), None),
                               c.get("key_file", _file_in(base), None), c.get("server_name", _str, None),
-                              c.get("insecure_skip_verify", _bool, False))
+                              c.get("insecure_skip_verify", parse_bool, False))
         c.finish()
         if (tls.cert_file is None) != (tls.key_file is None):
             raise c.error("cert_file and key_file go together (a client certificate and its key)")
@@ -460,7 +461,7 @@ _MEMORY_KEYS = {
 }
 
 
-def _engine(r: _Reader, names: set[str]) -> EngineConfig:
+def _engine(r: MappingReader, names: set[str]) -> EngineConfig:
     name = r.require("name", _str)
     if name in names:
         raise r.error(f"duplicate engine name {name!r}", "name")
@@ -513,7 +514,7 @@ def _engine(r: _Reader, names: set[str]) -> EngineConfig:
     if not isinstance(raw_tenants, list):
         raise r.error("expected a list of {name, quota_bytes}", "tenants")
     for i, raw in enumerate(raw_tenants):
-        t = _Reader(r.file, f"{r.path}.tenants[{i}]", raw, ("name", "quota_bytes"))
+        t = MappingReader(r.file, f"{r.path}.tenants[{i}]", raw, ("name", "quota_bytes"))
         tenants.append(TenantConfig(t.require("name", _str), t.require("quota_bytes", parse_size)))
         t.finish()
     if len({t.name for t in tenants}) != len(tenants):
@@ -552,7 +553,7 @@ def _engine(r: _Reader, names: set[str]) -> EngineConfig:
 def config_from_mapping(data: object, file: str = "<config>") -> Config:
     if data is None:
         data = {}
-    top = _Reader(file, "", data)
+    top = MappingReader(file, "", data)
     listen = top.get("listen", _listen, DEFAULT_LISTEN)
     interval = top.get("interval_seconds", _duration_in(MIN_INTERVAL, MAX_INTERVAL), DEFAULT_INTERVAL)
     sharing: Sharing = "per-request"
@@ -563,7 +564,7 @@ def config_from_mapping(data: object, file: str = "<config>") -> Config:
     if (n := top.child("nvml")) is not None:
         nvml = NvmlConfig(n.get("enabled", _choice(NVML_ENABLED), "auto"))
         n.finish()
-    json_view = top.get("json_view", _bool, False)
+    json_view = top.get("json_view", parse_bool, False)
     otlp = None
     if (o := top.child("otlp", ("endpoint",))) is not None:
         otlp = o.require("endpoint", _url)
@@ -583,7 +584,7 @@ def config_from_mapping(data: object, file: str = "<config>") -> Config:
     if not isinstance(raw_engines, list):
         raise top.error("expected a list of engines", "engines")
     names: set[str] = set()
-    engines = tuple(_engine(_Reader(file, f"engines[{i}]", raw, _engine_keys()), names) for i, raw in enumerate(raw_engines))
+    engines = tuple(_engine(MappingReader(file, f"engines[{i}]", raw, _engine_keys()), names) for i, raw in enumerate(raw_engines))
     top.finish()
     warnings = []
     if not top.data:
@@ -616,7 +617,8 @@ def _label_length(value: Any) -> int:
     return n
 
 
-def _bool(value: Any) -> bool:
+def parse_bool(value: Any) -> bool:
+    """true or false (a YAML boolean, never the text "yes"); the web configuration's too."""
     if not isinstance(value, bool):
         raise ValueError(f"expected true or false, got {value!r}")
     return value
@@ -624,7 +626,7 @@ def _bool(value: Any) -> bool:
 
 def _bool_text(value: Any) -> str:
     """A kind's ``boolean`` option, kept as the text "true" or "false"."""
-    return "true" if _bool(value) else "false"
+    return "true" if parse_bool(value) else "false"
 
 
 #: how the loader reads a kind's own key, by its Option.value (engine_kinds); options are

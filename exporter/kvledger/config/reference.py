@@ -191,7 +191,7 @@ def _kinds(engine_key: bool) -> str:
 
 def rows(kinds: Mapping[str, Any] | None = None) -> list[Row]:
     """Every key of the file: the model's fields, then each engine kind's own keys (``kinds``:
-    the registrations of kvledger.collect.engine_kinds, given by the caller)."""
+    the registrations of kvledger.config.engine_kinds, given by the caller)."""
     out = list(_walk(model.Config, "", False))
     option_types = {"address": "URL", "zmq": "ZMQ endpoint (`tcp://HOST:PORT`, `ipc:///path`)", "path": "file path",
                     "boolean": "`true` \\| `false`", "tokens": "integer (tokens)"}

@@ -55,8 +55,6 @@ Two more bounds on what an engine sends:
 
 from __future__ import annotations
 
-import math
-
 MAX_SAFE_INT = 2**53 - 1
 MAX_TOKENS = 2**30
 MAX_BLOCKS = 2**32
@@ -80,11 +78,6 @@ RATIO_TOLERANCE = 2.0**-40
 MAX_TEXT_LINES = 50_000
 #: seconds a document showing running requests may go unpublished and still be exact (module doc)
 MAX_DOCUMENT_AGE = 30.0
-
-
-def is_safe_number(value: float) -> bool:
-    """Finite and within [0, MAX_SAFE_INT] (NaN compares false: rejected)."""
-    return math.isfinite(value) and 0 <= value <= MAX_SAFE_INT
 
 
 #: the integer fields of a request (kvledger/v1 ``requests[]`` and ``request_columns``):

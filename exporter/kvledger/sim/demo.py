@@ -28,8 +28,10 @@ import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
+from kvledger.config.engine_kinds import KINDS
 from kvledger.config.model import EngineConfig, HostConfig, LimitConfig, MemoryConfig, ProcessMatch, TenantConfig
 from kvledger.sim.engine import GiB, SimEngine, SimProfile
 from kvledger.sim.engine_frontends import FRONTENDS, Frontend
@@ -40,6 +42,15 @@ from kvledger_engine.document_server import LedgerServer, serve_http, serve_unix
 from kvledger_engine.reference_ledger import PoolSpec
 
 MiB = 2**20
+
+
+def _stock(kind: str, **profile: Any) -> SimProfile:
+    """A stock engine of ``kind``, served as that engine shows itself and admitting and
+    overflowing by the rules its registration gives (``kvledger.config.engine_kinds``)."""
+    rules = KINDS[kind]
+    if rules.admission is None or rules.overflow is None:
+        raise ValueError(f"kind {kind!r} states no admission or overflow rule of its own: not a stock engine")
+    return SimProfile(engine_kind=kind, served_as=kind, admission=rules.admission, overflow=rules.overflow, **profile)
 
 
 def demo_profiles() -> list[SimProfile]:
@@ -110,11 +121,9 @@ def demo_profiles() -> list[SimProfile]:
             gpus=(0, 1),
             weights_bytes=24 * GiB,
         ),
-        SimProfile(
+        _stock(
+            "vllm",
             name="sim-stock-vllm",
-            engine_kind="vllm",
-            admission="dynamic",
-            overflow="preempt-recompute",
             # 511 usable blocks; vLLM reports num_gpu_blocks=512 (with its null block), 1 GiB
             pools=(PoolSpec("0", 16, 2 * MiB, 511),),
             max_model_len=4096,
@@ -131,15 +140,12 @@ def demo_profiles() -> list[SimProfile]:
             weights_bytes=15 * GiB,
             workspace_bytes=3 * GiB // 2,
             runtime_buffers_bytes=GiB // 2,
-            served_as="vllm",
         ),
         # Stock engines of the other kinds, read through their /metrics only (kvledger.collect.sources):
         # no GPUs of their own in the simulated budget, light workloads (the demo starts fast).
-        SimProfile(
+        _stock(
+            "sglang",
             name="sim-stock-sglang",
-            engine_kind="sglang",
-            admission="dynamic",
-            overflow="preempt-recompute",
             pools=(PoolSpec("0", 16, 2 * MiB, 384),),  # pages of 16 tokens
             max_model_len=4096,
             max_num_seqs=32,
@@ -152,13 +158,10 @@ def demo_profiles() -> list[SimProfile]:
             system_prompt_prob=0.8,
             raise_bound_prob=0.0,
             gpus=(),
-            served_as="sglang",
         ),
-        SimProfile(
+        _stock(
+            "trtllm",  # reserve-cap: GUARANTEED_NO_EVICT, trtllm-serve's default scheduler
             name="sim-stock-trtllm",
-            engine_kind="trtllm",
-            admission="reserve-cap",  # GUARANTEED_NO_EVICT
-            overflow="preempt-recompute",
             pools=(PoolSpec("0", 32, 4 * MiB, 256),),
             max_model_len=4096,
             max_num_seqs=32,
@@ -171,13 +174,10 @@ def demo_profiles() -> list[SimProfile]:
             system_prompt_prob=0.6,
             raise_bound_prob=0.0,
             gpus=(),
-            served_as="trtllm",
         ),
-        SimProfile(
+        _stock(
+            "triton-trtllm",
             name="sim-stock-triton",
-            engine_kind="triton-trtllm",
-            admission="reserve-cap",
-            overflow="preempt-recompute",
             pools=(PoolSpec("0", 64, 8 * MiB, 256),),
             max_model_len=4096,
             max_num_seqs=16,
@@ -190,13 +190,10 @@ def demo_profiles() -> list[SimProfile]:
             system_prompt_prob=0.5,
             raise_bound_prob=0.0,
             gpus=(),
-            served_as="triton-trtllm",
         ),
-        SimProfile(
+        _stock(
+            "tgi",
             name="sim-stock-tgi",
-            engine_kind="tgi",
-            admission="reserve-cap",
-            overflow="reject",
             pools=(PoolSpec("0", 16, 1 * MiB, 1024),),  # paged attention: blocks of 16 tokens
             max_model_len=4096,
             max_num_seqs=32,
@@ -206,7 +203,6 @@ def demo_profiles() -> list[SimProfile]:
             output_log_mean=4.5,
             raise_bound_prob=0.0,
             gpus=(),
-            served_as="tgi",
         ),
     ]
 
@@ -334,7 +330,7 @@ def exposition_engine_config(engine: SimEngine, frontend: Frontend) -> EngineCon
         kind=frontend.kind,
         url=frontend.url,
         timeout_seconds=2.0,
-        options=(("block_size", str(frontend.spec.block_size)),) if frontend.kind == "tgi" else (),
+        options=frontend.options(),
         block_bytes=frontend.spec.block_bytes,
         max_model_len=p.max_model_len,
         max_num_seqs=p.max_num_seqs,

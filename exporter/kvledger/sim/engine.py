@@ -81,8 +81,8 @@ class SimProfile:
     network_queue_limit: int = 256
     include_blocks: bool = True
     leak_sweep_steps: int = 20
-    # "ledger": a kvledger/v1 document; "vllm": stock vLLM's /metrics and KV events; "sglang",
-    # "trtllm", "triton-trtllm", "tgi": that engine's /metrics (kvledger.sim.engine_frontends)
+    # "ledger": a kvledger/v1 document; "vllm": stock vLLM's /metrics and KV events; a kind of
+    # kvledger.sim.engine_frontends.FRONTENDS: that engine's /metrics
     served_as: str = "ledger"
 
 

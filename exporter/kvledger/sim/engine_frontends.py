@@ -103,6 +103,10 @@ class Frontend:
     def metrics(self, s: _State) -> Iterator[Metric]:
         raise NotImplementedError
 
+    def options(self) -> tuple[tuple[str, str], ...]:
+        """The kind's own configuration keys a user would write for this engine."""
+        return ()
+
 
 class _Collector:
     def __init__(self, frontend: Frontend) -> None:
@@ -246,6 +250,9 @@ class TritonTrtllmFrontend(Frontend):
 
 class TgiFrontend(Frontend):
     kind = "tgi"
+
+    def options(self) -> tuple[tuple[str, str], ...]:
+        return (("block_size", str(self.spec.block_size)),)  # TGI does not export its attention backend's block size
 
     def metrics(self, s: _State) -> Iterator[Metric]:
         b = self.spec.block_size

@@ -2,10 +2,10 @@
 
 - the metric reference (name, type, unit, labels, stability, meaning) and the label
   vocabulary from the catalogue (kvledger.output.catalog), and the source error reasons
-  (kvledger.collect.reasons): docs/metrics.md;
+  (kvledger.output.catalog.REASONS): docs/metrics.md;
 - the configuration reference from the typed model (kvledger.config.reference):
   docs/configuration.md;
-- the table of engine kinds from their registrations (kvledger.collect.engine_kinds):
+- the table of engine kinds from their registrations (kvledger.config.engine_kinds):
   docs/engines/index.md (and any target that holds its markers; README.md is kept in the
   list so that a generated section placed there stays fresh).
 
@@ -24,10 +24,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from kvledger.collect.engine_kinds import KINDS, PLANNED
-from kvledger.collect.reasons import REASONS
+from kvledger.config.engine_kinds import KINDS, PLANNED
 from kvledger.config.reference import rows
-from kvledger.output.catalog import CATALOG, LABELS
+from kvledger.output.catalog import CATALOG, LABELS, REASONS
 
 ROOT = Path(__file__).resolve().parents[3]
 #: the files holding generated sections (relative to the repository root)

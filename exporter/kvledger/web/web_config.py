@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvledger.config.loader import _bool, _Reader, read_yaml
+from kvledger.config.loader import MappingReader, parse_bool, read_yaml
 
 TLS_VERSIONS: dict[str, ssl.TLSVersion] = {
     "TLS10": ssl.TLSVersion.TLSv1,
@@ -163,7 +163,7 @@ def _curves(value: Any) -> tuple[str, ...]:
     return tuple(GO_TO_OPENSSL_CURVES[n] for n in names)
 
 
-def _tls(r: _Reader, base: Path) -> TlsServerConfig | None:
+def _tls(r: MappingReader, base: Path) -> TlsServerConfig | None:
     for name, why in _UNSUPPORTED.items():
         if r.has(name):
             raise r.error(why, name)
@@ -180,7 +180,7 @@ def _tls(r: _Reader, base: Path) -> TlsServerConfig | None:
     min_v = r.get("min_version", _choice(TLS_VERSIONS), "TLS12")
     max_v = r.get("max_version", _choice(TLS_VERSIONS), "TLS13")
     ciphers = r.get("cipher_suites", _ciphers, none)
-    prefer = r.get("prefer_server_cipher_suites", _bool, True)
+    prefer = r.get("prefer_server_cipher_suites", parse_bool, True)
     curves = r.get("curve_preferences", _curves, none)
     r.finish()
     if cert is None and key is None:
@@ -208,7 +208,7 @@ def _tls(r: _Reader, base: Path) -> TlsServerConfig | None:
     return TlsServerConfig(cert, key, auth, ca, sans, min_v, max_v, ciphers, prefer, curves)
 
 
-def _headers(r: _Reader) -> tuple[tuple[str, str], ...]:
+def _headers(r: MappingReader) -> tuple[tuple[str, str], ...]:
     out: list[tuple[str, str]] = []
     for name, allowed in ALLOWED_HEADERS.items():
         value = r.get(name, _str, "")
@@ -224,7 +224,7 @@ def _headers(r: _Reader) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def _users(r: _Reader) -> dict[str, bytes]:
+def _users(r: MappingReader) -> dict[str, bytes]:
     users: dict[str, bytes] = {}
     for name, hashed in r.data.items():
         if not isinstance(name, str) or not name or ":" in name:
@@ -239,7 +239,7 @@ def _users(r: _Reader) -> dict[str, bytes]:
 def web_config_from_mapping(data: object, file: str = "<web config>", base: Path | None = None) -> WebConfig:
     """Validate a parsed web-config.yml; ``base`` resolves relative file names."""
     base = base if base is not None else Path(file).resolve().parent
-    top = _Reader(file, "", {} if data is None else data)
+    top = MappingReader(file, "", {} if data is None else data)
     if top.has("rate_limit"):
         raise top.error("is not supported by kvledger", "rate_limit")
     tls = None
@@ -248,7 +248,7 @@ def web_config_from_mapping(data: object, file: str = "<web config>", base: Path
     http2 = True
     headers: tuple[tuple[str, str], ...] = ()
     if (h := top.child("http_server_config")) is not None:
-        http2 = h.get("http2", _bool, True)
+        http2 = h.get("http2", parse_bool, True)
         if (hd := h.child("headers")) is not None:
             headers = _headers(hd)
         h.finish()

@@ -54,9 +54,9 @@ import time
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from kvledger.collect.engine_tls import client_ssl_context
 from kvledger.collect.memory import release_freed_memory
 from kvledger.collect.sources.base import SourceError
+from kvledger.config.engine_tls import client_ssl_context
 from kvledger.config.model import ClientAuth, TlsClientConfig
 from kvledger.model.limits import MAX_TEXT_LINES
 

@@ -1,26 +1,22 @@
 """Every engine kind kvledger reads, one registration each.
 
-A registration names the kind's source class (imported only when an engine of that kind
-is configured), the configuration keys that only this kind accepts, the admission and
-overflow rules of the engine when neither the engine nor the configuration says, and the
-kind's documentation page. The configuration loader and the source registry derive
-everything from this table: a new engine kind is a new source folder plus one
-``register(...)`` here (docs/adding-an-engine.md).
+A registration names the configuration keys that only this kind accepts, the admission
+and overflow rules of the engine when neither the engine nor the configuration says, and
+the kind's documentation page. The configuration loader, the merge of configured facts and
+the generated docs derive everything from this table; the kind's source class is named, by
+reference, in ``kvledger.collect.sources.registry.SOURCES`` (the sources read the
+configuration, so the configuration cannot import them). A new engine kind is a new source
+folder, one ``register(...)`` here and its class in ``SOURCES`` (docs/adding-an-engine.md).
 
-This module imports nothing heavy: the loader reads it to validate a file.
+This module imports nothing but the facts' words: the loader reads it to validate a file.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from kvledger.model.facts import Admission, Overflow
-
-if TYPE_CHECKING:
-    from kvledger.collect.sources.base import Source
-    from kvledger.config.model import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -39,17 +35,11 @@ class Option:
 @dataclass(frozen=True)
 class EngineKind:
     name: str  # the ``kind:`` value in the configuration
-    source: str  # "module:Class" of the Source, constructed with the engine's EngineConfig
     options: tuple[Option, ...]  # configuration keys that only this kind accepts (cfg.option(name))
     admission: Admission | None  # the engine's rule, when neither it nor the config says
     overflow: Overflow | None
     docs: str  # the kind's page, relative to the repository root
     summary: str  # one line for error messages and the table of kinds (docs/engines/index.md)
-
-    def build(self, cfg: EngineConfig) -> Source:
-        module, _, cls = self.source.partition(":")
-        source: Source = getattr(importlib.import_module(module), cls)(cfg)
-        return source
 
 
 KINDS: dict[str, EngineKind] = {}
@@ -71,7 +61,6 @@ def kind_specific_keys() -> dict[str, str]:
 
 register(EngineKind(
     name="ledger",
-    source="kvledger.collect.sources.document:LedgerSource",
     options=(),
     admission=None,  # the document says; absent means unknown
     overflow=None,
@@ -81,7 +70,6 @@ register(EngineKind(
 
 register(EngineKind(
     name="vllm",
-    source="kvledger.collect.sources.vllm.source:VllmSource",
     options=(
         Option("kv_events", "zmq", "the ZMQ publisher of KV events (--kv-events-config endpoint)"),
         Option("kv_events_replay", "zmq", "the ZMQ replay endpoint (replay_endpoint)"),
@@ -96,7 +84,6 @@ register(EngineKind(
 
 register(EngineKind(
     name="sglang",
-    source="kvledger.collect.sources.sglang.source:SglangSource",
     options=(
         Option("server_info_url", "address",
                "GET /get_server_info, for page_size on builds whose /metrics has no sglang:page_size"),
@@ -109,7 +96,6 @@ register(EngineKind(
 
 register(EngineKind(
     name="trtllm",
-    source="kvledger.collect.sources.trtllm.source:TrtllmSource",
     options=(),
     admission="reserve-cap",  # the default GUARANTEED_NO_EVICT scheduler; MAX_UTILIZATION: set admission: dynamic
     overflow="preempt-recompute",  # MAX_UTILIZATION pauses requests (blocks freed, recomputed later)
@@ -119,7 +105,6 @@ register(EngineKind(
 
 register(EngineKind(
     name="triton-trtllm",
-    source="kvledger.collect.sources.triton_trtllm.source:TritonTrtllmSource",
     options=(),
     admission="reserve-cap",  # the backend's default batch_scheduler_policy guaranteed_no_evict
     overflow="preempt-recompute",
@@ -129,7 +114,6 @@ register(EngineKind(
 
 register(EngineKind(
     name="tgi",
-    source="kvledger.collect.sources.tgi.source:TgiSource",
     options=(
         Option("block_size", "tokens",
                "tokens per KV block of TGI's attention backend (flashinfer 1, the default; paged 16; flashdecoding 256)"),
@@ -142,7 +126,6 @@ register(EngineKind(
 
 register(EngineKind(
     name="llamacpp",
-    source="kvledger.collect.sources.llamacpp.source:LlamacppSource",
     options=(
         Option("slots_url", "address", "GET /slots, when not the server's base URL + /slots"),
         Option("props_url", "address", "GET /props, when not the server's base URL + /props"),
