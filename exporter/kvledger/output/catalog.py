@@ -41,7 +41,8 @@ class MetricSpec:
         return "stable" if self.name in STABLE else "experimental"
 
     def labelled(self, accounts: Accounts) -> Iterator[tuple[dict[str, str], float]]:
-        """The samples with each label value under its name (for readers that select by name)."""
+        """The samples with each label value under its name: what the JSON view, OTLP and the pages
+        read, so that only the text renderer (whose label order is the exposition's) pairs by position."""
         for values, value in self.samples(accounts):
             yield dict(zip(self.labels, values, strict=True)), value
 
