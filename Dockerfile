@@ -2,13 +2,13 @@
 # by default (the configuration is mounted at /etc/kvledger/kvledger.yml), a HEALTHCHECK on
 # /-/healthy.
 #
-#   docker build -t kvledger:0.1.0 --build-arg KVLEDGER_REVISION=$(git rev-parse HEAD) .
-#   docker run --rm -p 9477:9477 kvledger:0.1.0 demo --listen 0.0.0.0:9477
-#   docker run --rm -p 9477:9477 -v $PWD/kvledger.yml:/etc/kvledger/kvledger.yml:ro kvledger:0.1.0
+#   docker build -t kvledger:0.2.0.dev0 --build-arg KVLEDGER_REVISION=$(git rev-parse HEAD) .
+#   docker run --rm -p 9477:9477 kvledger:0.2.0.dev0 demo --listen 0.0.0.0:9477
+#   docker run --rm -p 9477:9477 -v $PWD/kvledger.yml:/etc/kvledger/kvledger.yml:ro kvledger:0.2.0.dev0
 #
 # NVML: run with the NVIDIA container runtime (NVIDIA_DRIVER_CAPABILITIES=utility injects
 # libnvidia-ml.so.1); without it, `nvml.enabled: auto` finds no library and exports no GPUs.
-# What tests/test_deploy_container.py checks is in the README ("Container image").
+# What tests/test_deploy_container.py checks is in docs/deploying.md ("Container image").
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 

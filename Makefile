@@ -9,7 +9,7 @@ RUNTIME_STAMP = $(VENV)/.installed-runtime
 SUDO    = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 LISTEN ?= 127.0.0.1:9477
 
-.PHONY: demo dist test test-fast lint test-vllm test-llamacpp test-image image-deps fuzz system-deps venv dashboards dashboards-check alerts kubernetes crd-schemas previews bench clean golden
+.PHONY: docs docs-serve demo dist test test-fast lint test-vllm test-llamacpp test-image image-deps fuzz system-deps venv dashboards dashboards-check alerts kubernetes crd-schemas previews bench clean golden
 
 $(STAMP): pyproject.toml engine/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,7 @@ $(RUNTIME_STAMP): pyproject.toml engine/pyproject.toml
 
 venv: $(STAMP)
 
-# make demo FAULT=reserve-overcommit: the demo with a fault (README, "See an alert fire in five minutes")
+# make demo FAULT=reserve-overcommit: the demo with a fault (docs/alerts.md, "See an alert fire in five minutes")
 FAULT ?=
 demo: $(RUNTIME_STAMP)
 	$(VENV)/bin/kvledger demo --listen $(LISTEN)$(if $(FAULT), --fault $(FAULT))
@@ -133,6 +133,16 @@ dist: $(STAMP)
 	$(PY) -m build --outdir $(DIST) .
 	$(PY) -m build --outdir $(DIST) engine
 	@ls -1 $(DIST)
+
+# The documentation site (mkdocs.yml, docs/): regenerate the reference sections from the code (the metric
+# catalogue, the typed configuration, the engine kinds, the error reasons), then build it in strict mode
+# (a broken link or anchor fails). tests/test_docs.py checks both, so `make test` and .ci/run do too.
+docs: $(STAMP)
+	$(PY) -m kvledger.tools.docgen
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8000
 
 # Regenerate the whole-/metrics golden file (tests/fixtures/metrics.golden.prom); read the diff.
 golden: $(STAMP)

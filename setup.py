@@ -1,4 +1,7 @@
-"""Bakes the build's identity into every sdist and wheel of kvledger (pyproject.toml holds the rest).
+"""Bakes the build's identity into every sdist and wheel of kvledger (pyproject.toml holds the rest),
+and gives the version and the runtime dependencies: the version is read from the engine-side
+library (engine/kvledger_engine/__init__.py, the one place it is written), and the daemon
+depends on that library at exactly that version.
 
 ``exporter/kvledger/_build_info.json`` ({"revision", "build_date"}) is written into the sdist's
 tree and into the wheel's build directory, never into the checkout. The revision is, first
@@ -14,6 +17,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -23,6 +27,37 @@ from setuptools.command.sdist import sdist
 
 ROOT = Path(__file__).resolve().parent
 BAKED = Path("exporter", "kvledger", "_build_info.json")
+#: where the version of both distributions is written (MANIFEST.in carries it into the daemon's sdist)
+VERSION_FILE = Path("engine", "kvledger_engine", "__init__.py")
+
+
+def _version() -> str:
+    match = re.search(r'^__version__ = "([^"]+)"$', (ROOT / VERSION_FILE).read_text(encoding="utf-8"), re.MULTILINE)
+    if match is None:
+        raise SystemExit(f"{VERSION_FILE}: no __version__ line")
+    return match.group(1)
+
+
+VERSION = _version()
+#: the daemon's runtime dependencies; kvledger-engine is pinned to the same version (released together)
+DEPENDENCIES = [
+    f"kvledger-engine=={VERSION}",  # engine/: the wire terms and R(r) the policy shares with the engine side (built from this repository)
+    "prometheus-client>=0.20",
+    "opentelemetry-sdk>=1.25",
+    "opentelemetry-exporter-otlp-proto-http>=1.25",  # OTLP push (optional output)
+    "nvidia-ml-py==13.615.71",
+    "pyyaml>=6.0",
+    "pyzmq>=25",
+    "msgpack>=1.0",
+    "jsonschema>=4.20",
+    "orjson>=3.9",  # kvledger/v1 documents parse ~3x faster than with json: the poll path's CPU budget
+    # decodes a document's requests[] straight into typed, range-checked structs in C (document_decoder.py):
+    # faster than orjson's dicts, and no per-field checks in Python
+    "msgspec>=0.18",
+    "numpy>=1.26",  # columnar accounting of 1,000,000-block ledgers within the 50 ms budget
+    "h11>=0.14",  # HTTP/1.1 parsing and framing for the asyncio server (keep-alive, limits, bodies on GET)
+    "bcrypt>=4.0",  # basic_auth_users of the exporter-toolkit web config are bcrypt hashes
+]
 
 
 def _git(*args: str) -> str | None:
@@ -76,4 +111,4 @@ class Sdist(sdist):
         _write(target)
 
 
-setup(cmdclass={"build_py": BuildPy, "sdist": Sdist})
+setup(version=VERSION, install_requires=DEPENDENCIES, cmdclass={"build_py": BuildPy, "sdist": Sdist})

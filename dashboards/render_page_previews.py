@@ -3,7 +3,7 @@ chromium-driver) against `kvledger demo`: the live ledger page at / and the cach
 
     python dashboards/render_page_previews.py [--seconds 20] [--out docs/previews]
 
-Writes ledger-page.png and lab-page.png (the README shows them); `make previews` runs it.
+Writes ledger-page.png and lab-page.png (docs/dashboards.md shows them); `make previews` runs it.
 """
 
 from __future__ import annotations

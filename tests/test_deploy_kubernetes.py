@@ -224,7 +224,7 @@ def test_sidecar_shares_the_ledger_socket_through_an_emptydir() -> None:
     volumes = {v["name"]: v for v in pod["volumes"]}
     cs = containers(deployment)
     vllm, kvledger = cs["vllm"], cs["kvledger"]
-    assert {"name": "KVLEDGER_VLLM_LEDGER", "value": SIDECAR_SOCKET} in vllm["env"]
+    assert {"name": "KVLEDGER_VLLM_LEDGER", "value": f"unix://{SIDECAR_SOCKET}"} in vllm["env"]
     socket_dir = str(Path(SIDECAR_SOCKET).parent)
     shared = [m["name"] for m in vllm["volumeMounts"] if m["mountPath"] == socket_dir]
     assert shared and [m["name"] for m in kvledger["volumeMounts"] if m["mountPath"] == socket_dir] == shared
@@ -264,7 +264,7 @@ def test_daemonset_sees_the_host() -> None:
 
 
 def test_images_and_users_match_the_dockerfile_and_the_package() -> None:
-    version = __version__  # the one place: kvledger/__init__.py (pyproject.toml reads it)
+    version = __version__  # written once: engine/kvledger_engine/__init__.py; the image tags follow it
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "USER 65532:65532" in dockerfile
     for kind, name in (("DaemonSet", "kvledger"), ("Deployment", "vllm")):

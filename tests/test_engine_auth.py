@@ -338,8 +338,8 @@ def test_tls_files_are_loaded_again_when_they_change(tmp_path: Path, pki: Pki) -
 
 
 def test_the_readme_example_loads(tmp_path: Path, pki: Pki) -> None:
-    """The README's engine entry, with its files present, is a valid configuration."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    """The configuration page's engine entry behind TLS, with its files present, is a valid configuration."""
+    readme = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
     section = readme.split("## Engines behind a token, basic auth or TLS", 1)[1]
     block = section.split("```yaml\n", 1)[1].split("```", 1)[0]
     (tmp_path / "token").write_text(TOKEN)

@@ -13,56 +13,10 @@ from accounting_support import accounts_of
 from test_exposition import rich_snapshot
 
 from kvledger.config.engine_kinds import KINDS
-from kvledger.output.catalog import CATALOG, RENAMED_FAMILIES, RENAMED_LABELS
+from kvledger.output.catalog import CATALOG, LABELS, RENAMED_FAMILIES, RENAMED_LABELS
 from kvledger.tools.plan import parse_live
 
 ROOT = Path(__file__).resolve().parent.parent
-
-#: every label name of the catalogue and the one thing it means; where its values are a
-#: closed set, that set (None: open, e.g. names from the configuration)
-LABELS: dict[str, tuple[str, frozenset[str] | None]] = {
-    "engine": ("the engine's name in the configuration", None),
-    "pool": ("a KV pool's id", None),
-    "gpu": ("a GPU index", None),
-    "tenant": ("a tenant named in the configuration", None),
-    "basis": ("whether a figure is exact or a bound", frozenset({"exact", "upper_bound", "lower_bound"})),
-    "kind": ("the engine kind of the configuration", frozenset(KINDS)),
-    "view": ("the quota view (reservations) or the physical one (blocks holding data)", frozenset({"quota", "physical"})),
-    "limit": ("whether a limit is a hard cap or an estimate", frozenset({"hard", "estimate"})),
-    "purpose": ("what an extra context slot is for", frozenset({"speculative", "branch"})),
-    "provenance": ("where a budget figure comes from", frozenset({"measured", "configured", "estimate"})),
-    "source": ("the kvledger source reading an engine", None),
-    "state": ("the state of the blocks or requests counted", frozenset({"in_use", "reclaimable", "free", "running",
-                                                                          "waiting", "preempted"})),
-    "output_bound": ("the kind of a request's output bound", frozenset({"cap", "estimate"})),
-    "category": ("a device budget term", frozenset({"weights", "workspace", "runtime_buffers", "reserve", "kv_pool"})),
-    "direction": ("a socket queue's direction", frozenset({"send", "receive"})),
-    "result": ("an admission re-check's result", frozenset({"accepted", "rejected"})),
-    "type": ("a KV event's type", None),
-    "reason": ("why a source failed", None),
-    "check": ("the ledger invariant violated", None),
-    "label": ("the label whose values were limited", None),
-    "action": ("what was done to a label value over the limit", None),
-    "memory_type": ("the engine's own memory category", None),
-    "sharing": ("the sharing rule", frozenset({"per-request", "reference-aware"})),
-    "admission": ("the engine's admission behaviour", frozenset({"reserve-cap", "dynamic", "unknown"})),
-    "overflow": ("what happens when an estimate is exceeded", frozenset({"preempt-recompute", "reject", "swap", "unknown"})),
-    "tenant_rule": ("the rule tenant figures use", frozenset({"per-request"})),
-    "version": ("the version of what the info family describes (kvledger, an engine)", None),
-    "revision": ("kvledger's git revision", None),
-    "python_version": ("the Python running kvledger", None),
-    "uuid": ("a GPU's UUID", None),
-    "name": ("a GPU's product name", None),
-    "driver_version": ("the NVIDIA driver's version", None),
-    "mig": ("whether the GPU is a MIG instance", frozenset({"true", "false"})),
-    "group": ("a KV-cache group of a pool (a hybrid model's layer type)", None),
-    "layer_type": ("the layer type of a KV-cache group",
-                   frozenset({"full_attention", "sliding_window", "chunked_local_attention", "mamba"})),
-    "window_tokens": ("the tokens a KV-cache group's window or chunk spans (empty: none)", None),
-    "constraint": ("a limit that stops an engine admitting work",
-                   frozenset({"kv_quota", "kv_physical", "sequences", "token_budget"})),
-}
-
 
 def test_units_come_last_in_every_family_name() -> None:
     wrong = [f"{s.name} (unit {s.unit})" for s in CATALOG if s.unit and not s.name.removesuffix("_total").endswith(f"_{s.unit}")]
@@ -70,19 +24,23 @@ def test_units_come_last_in_every_family_name() -> None:
 
 
 def test_every_label_name_has_one_documented_meaning() -> None:
-    assert sorted({label for s in CATALOG for label in s.labels} - set(LABELS)) == []
+    used = {label for s in CATALOG for label in s.labels}
+    assert sorted(used - set(LABELS)) == []
+    assert sorted(set(LABELS) - used) == []  # the vocabulary names no label the catalogue has dropped
+    assert all(label.meaning for label in LABELS.values())
 
 
 def test_label_values_stay_within_their_one_meaning() -> None:
     accounts = accounts_of(rich_snapshot())
     seen: dict[str, set[str]] = defaultdict(set)
     for spec in CATALOG:
-        for labels, _value in spec.samples(accounts):
-            for name, value in zip(spec.labels, labels, strict=True):
+        for labels, _value in spec.labelled(accounts):
+            for name, value in labels.items():
                 seen[name].add(value)
-    for name, (_meaning, allowed) in LABELS.items():
-        if allowed is not None:
-            assert seen[name] <= allowed, name
+    for name, label in LABELS.items():  # the vocabulary is the catalogue's own
+        if label.values is not None:
+            assert seen[name] <= label.values, name
+    assert seen["kind"] <= set(KINDS)  # kind's values: the registered engine kinds
     # what each renamed label used to share with another meaning is gone from it
     assert not seen["source"] & {"measured", "configured", "estimate"}
     assert not seen["kind"] & {"quota", "physical", "hard", "estimate", "speculative", "branch"}

@@ -323,8 +323,8 @@ def test_lab_command_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--serve" in capsys.readouterr().out
 
 
-def test_the_readme_shows_both_pages() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_the_docs_show_both_pages() -> None:
+    page = (ROOT / "docs" / "dashboards.md").read_text()
     for name in ("ledger-page.png", "lab-page.png"):
-        assert f"](docs/previews/{name})" in readme
+        assert f"](previews/{name})" in page
         assert (ROOT / "docs" / "previews" / name).stat().st_size > 10_000, f"{name}: run make previews"

@@ -826,7 +826,6 @@ def test_docs_examples_are_the_commands_output(monkeypatch: pytest.MonkeyPatch) 
     readme = ROOT / "README.md"
     text = readme.read_text()
     fresh = _BLOCK.sub(lambda m: f"```console\n$ {m.group(1)}\n{_run_example(m.group(1))}```", text)
-    assert len(_BLOCK.findall(fresh)) == 1
     if os.environ.get("KVLEDGER_REGEN"):
         readme.write_text(fresh)
     stale = [] if fresh == text else ["README.md"]

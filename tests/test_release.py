@@ -14,18 +14,18 @@ import re
 import shutil
 import subprocess
 import tarfile
-import tomllib
 import urllib.request
 import zipfile
 from pathlib import Path
 
 import pytest
 
+import kvledger_engine
 from harness.process import free_port, start_ready
 from kvledger import __version__
 
 ROOT = Path(__file__).resolve().parent.parent
-ENGINE_VERSION = tomllib.loads((ROOT / "engine" / "pyproject.toml").read_text())["project"]["version"]
+ENGINE_VERSION = kvledger_engine.__version__
 DATE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
 
 pytestmark = pytest.mark.e2e  # builds, and installs into fresh venvs

@@ -200,6 +200,7 @@ def test_basic_auth_verifies_and_caches(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_config_key_and_flag(tmp_path: Path) -> None:
+    (tmp_path / "web.yml").write_text("{}\n")  # checked at load (tests/test_first_hour_docs.py: a missing one is named)
     cfg = config_from_mapping({"web_config_file": "web.yml"}, str(tmp_path / "kvledger.yml"))
     assert cfg.web_config_file == str(tmp_path / "web.yml")
     assert config_from_mapping({}).web_config_file is None

@@ -1,7 +1,8 @@
 """kvledger: one declared KV-cache accounting policy for LLM inference servers.
 
-``__version__`` is the one place the version is written: pyproject.toml reads it
-(``[tool.setuptools.dynamic]``) and so does everything that prints or exports it.
+``__version__`` is the engine-side library's (``kvledger_engine.__version__``, the one place
+the version of both distributions is written; the daemon pins that library at exactly its
+version, so the two agree); everything that prints or exports the version reads it here.
 
 ``build_info()`` says which build runs: the version, the git revision and the build date
 that the build baked into ``_build_info.json`` (setup.py writes it into every sdist and
@@ -19,7 +20,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-__version__ = "0.1.0"
+from kvledger_engine import __version__ as __version__
 
 UNKNOWN = "unknown"
 _BAKED = Path(__file__).with_name("_build_info.json")

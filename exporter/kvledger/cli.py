@@ -252,7 +252,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     def announce(server: KvledgerHTTPServer) -> None:  # printed once the port is ours, never before
         print(f"kvledger demo: simulated engines {', '.join(e.name for e in demo.engine_configs)} and "
-              f"simulated GPUs; metrics on {server.url}/metrics (Ctrl-C stops)", flush=True)
+              f"simulated GPUs; the live ledger on {server.url}/, the cache lab on {server.url}/lab, "
+              f"metrics on {server.url}/metrics (Ctrl-C stops)", flush=True)
 
     return _run_until_signal(collector, args.listen, True, on_stop=demo.stop, web_config_file=args.web_config_file,
                              announce=announce)
@@ -696,10 +697,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _web_config_flag_readable(path: str | None) -> None:
+    """A --web.config.file that cannot be read is refused naming the flag (the key
+    web_config_file is checked by the loader, naming the key)."""
+    if path:
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"--web.config.file {path}: cannot read: {exc.strerror or exc}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, args.log_format)
     try:
+        _web_config_flag_readable(getattr(args, "web_config_file", None))
         return int(args.func(args))
     except ConfigError as exc:
         print(f"kvledger: configuration error: {exc}", file=sys.stderr)

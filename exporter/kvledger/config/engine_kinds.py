@@ -22,12 +22,13 @@ from kvledger.model.facts import Admission, Overflow
 @dataclass(frozen=True)
 class Option:
     """A configuration key only this kind accepts; the loader checks it by ``value``:
-    ``address`` (tcp://, ipc://, http(s):// or unix:///absolute/path), ``path`` (a file),
+    ``address`` (tcp://, ipc://, http(s):// or unix:///absolute/path), ``zmq`` (a ZMQ endpoint:
+    tcp://HOST:PORT or ipc:///path), ``path`` (a file),
     ``boolean`` (true or false, kept as the text "true" or "false") or ``tokens`` (a whole
     number of tokens, 1 .. 2**30, kept as its decimal text)."""
 
     name: str
-    value: Literal["address", "path", "boolean", "tokens"]
+    value: Literal["address", "zmq", "path", "boolean", "tokens"]
     help: str
 
 
@@ -38,7 +39,7 @@ class EngineKind:
     admission: Admission | None  # the engine's rule, when neither it nor the config says
     overflow: Overflow | None
     docs: str  # the kind's page, relative to the repository root
-    summary: str  # one line for error messages and the README
+    summary: str  # one line for error messages and the table of kinds (docs/engines/index.md)
 
 
 KINDS: dict[str, EngineKind] = {}
@@ -70,8 +71,8 @@ register(EngineKind(
 register(EngineKind(
     name="vllm",
     options=(
-        Option("kv_events", "address", "the ZMQ publisher of KV events (--kv-events-config endpoint)"),
-        Option("kv_events_replay", "address", "the ZMQ replay endpoint (replay_endpoint)"),
+        Option("kv_events", "zmq", "the ZMQ publisher of KV events (--kv-events-config endpoint)"),
+        Option("kv_events_replay", "zmq", "the ZMQ replay endpoint (replay_endpoint)"),
         Option("log_file", "path", "the server's log, for the startup memory profile"),
         Option("ledger", "address", "the in-engine integration's kvledger/v1 address (KVLEDGER_VLLM_LEDGER; {dp_rank} per rank)"),
     ),

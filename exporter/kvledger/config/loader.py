@@ -13,6 +13,7 @@ token budgets (``max_model_len`` ...) in 1 .. 2**30. A ``unix:`` URL is
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -376,6 +377,37 @@ def _file_in(base: Path | None) -> Callable[[Any], str]:
     return conv
 
 
+def _json_file_in(base: Path | None) -> Callable[[Any], str]:
+    """A readable file holding a JSON object (a model's config.json), checked at load rather
+    than when the engine first answers; relative to the configuration file's directory."""
+    readable = _file_in(base)
+
+    def conv(value: Any) -> str:
+        path = readable(value)
+        try:
+            data = json.loads(Path(path).read_bytes())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: not a JSON file: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object (a model's config.json)")
+        return path
+
+    return conv
+
+
+def _zmq_address(raw: Any) -> str:
+    """A ZMQ endpoint (vLLM's KV events): tcp://HOST:PORT or ipc:///path; an http(s):// or
+    unix:// URL is refused at load, naming the scheme to use."""
+    value = _str(raw)
+    if re.match(r"^(https?|unix)://", value):
+        scheme = value.split(":", 1)[0]
+        raise ValueError(f"KV events are a ZMQ endpoint, not {scheme}://: use tcp://HOST:PORT (vLLM's "
+                         f"--kv-events-config endpoint) or ipc:///path; got {_brief(value)}")
+    if not re.match(r"^(tcp://[^/]+:\d+$|ipc://.+)", value):
+        raise ValueError(f"expected a ZMQ endpoint tcp://HOST:PORT or ipc:///path, got {_brief(value)}")
+    return value
+
+
 def _client_auth(r: MappingReader, url: str) -> tuple[AuthorizationConfig | None, BasicAuthConfig | None, TlsClientConfig | None]:
     """An engine's authorization, basic_auth and tls_config, checked as Prometheus checks a
     scrape_config's: at most one way to authenticate, a credential or its file (not both),
@@ -443,10 +475,13 @@ def _engine(r: MappingReader, names: set[str]) -> EngineConfig:
     authorization, basic_auth, tls_config = _client_auth(r, url)
     model = None
     if (m := r.child("model", ("config", "kv_dtype", "tensor_parallel"))) is not None:
+        base = Path(r.file).parent if r.file != "<config>" else None
         model = ModelDerivation(
-            m.require("config", _str), m.get("kv_dtype", _str, "auto"), m.get("tensor_parallel", _pos_int, 1)
+            m.require("config", _json_file_in(base)), m.get("kv_dtype", _str, "auto"), m.get("tensor_parallel", _pos_int, 1)
         )
         m.finish()
+        if r.has("block_bytes"):  # two answers to one question: which one was meant is not ours to guess
+            raise r.error("give block_bytes or model, not both (model derives block_bytes from config.json)")
     processes = None
     if (p := r.child("processes", ("match", "pids"))) is not None:
         processes = ProcessMatch(p.get("match", _str, None), p.get("pids", _int_list, ()))
@@ -542,9 +577,8 @@ def config_from_mapping(data: object, file: str = "<config>") -> Config:
             lim.get("label_value_length", _label_length, DEFAULT_MAX_LABEL_LENGTH),
         )
         lim.finish()
-    web_config_file = top.get("web_config_file", _str, None)
-    if web_config_file is not None and file != "<config>":
-        web_config_file = str(Path(file).parent / web_config_file)
+    # checked at load: a missing file is named with the key that points to it
+    web_config_file = top.get("web_config_file", _file_in(Path(file).parent if file != "<config>" else None), None)
     top.seen.add("engines")
     raw_engines = top.data.get("engines") or []
     if not isinstance(raw_engines, list):
@@ -599,6 +633,7 @@ def _bool_text(value: Any) -> str:
 #: kept as text
 _OPTION_READERS: dict[str, Callable[[Any], str]] = {
     "address": _url,
+    "zmq": _zmq_address,
     "path": _str,
     "boolean": _bool_text,
     "tokens": _tokens_text,

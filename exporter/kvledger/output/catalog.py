@@ -1,7 +1,8 @@
 """The metric catalogue: every exported family defined once (name, type, unit, help,
-labels) together with how its samples are read from the Accounts.
+labels, stability) together with how its samples are read from the Accounts, and the
+vocabulary of label names (LABELS: each name's one meaning and its closed set of values).
 
-The Prometheus collector, the OTLP output, the README's metric reference, the
+The Prometheus collector, the OTLP output, the metric reference (docs/metrics.md), the
 dashboards and the alert lint all read this list; nothing else names a metric.
 """
 
@@ -20,6 +21,9 @@ Sample = tuple[tuple[str, ...], float]
 Extract = Callable[[Accounts], Iterable[Sample]]
 
 
+Stability = Literal["stable", "experimental"]
+
+
 @dataclass(frozen=True)
 class MetricSpec:
     name: str
@@ -29,6 +33,102 @@ class MetricSpec:
     labels: tuple[str, ...]
     help: str
     samples: Extract
+
+    @property
+    def stability(self) -> Stability:
+        """stable: renamed only with a CHANGELOG "Renamed" entry (tests/test_metric_stability.py);
+        experimental: may change in any release. Every family is one or the other (STABLE)."""
+        return "stable" if self.name in STABLE else "experimental"
+
+    def labelled(self, accounts: Accounts) -> Iterator[tuple[dict[str, str], float]]:
+        """The samples with each label value under its name: what the JSON view, OTLP and the pages
+        read, so that only the text renderer (whose label order is the exposition's) pairs by position."""
+        for values, value in self.samples(accounts):
+            yield dict(zip(self.labels, values, strict=True)), value
+
+
+@dataclass(frozen=True)
+class Label:
+    """A label name of the catalogue: its one meaning, and its values where they are a closed set
+    (None: open, e.g. names from the configuration or from an engine)."""
+
+    meaning: str
+    values: frozenset[str] | None = None
+
+
+#: every reason a source's failure can carry (the ``reason`` label of kvledger_source_errors_total; what
+#: ``kvledger check`` prints), with what it means: written once here, listed in docs/metrics.md
+#: (kvledger.tools.docgen); a test fails when the code gives a reason this table lacks
+#: (tests/test_engine_text_hardening.py).
+#: reason -> what happened (engine sources first, then the node's own sources)
+REASONS: dict[str, str] = {
+    "connect": "the engine could not be reached (refused, unreachable, DNS, TLS handshake)",
+    "timeout": "no complete answer within timeout_seconds (connect, headers and body together)",
+    "http_status": "the engine answered with a status other than 200 (401: it refused the credentials)",
+    "too_large": "the answer was over max_response_bytes, or Prometheus text over 50,000 lines; refused before it is parsed",
+    "parse": "the answer is not what the kind reads (not Prometheus text, not JSON, a broken value)",
+    "schema": "a kvledger/v1 document that breaks its schema",
+    "missing": "a series the kind needs is absent from the engine's /metrics",
+    "stale": "a kvledger/v1 document that shows running requests but was published more than 30 s ago, by the "
+             "server's clock: the engine stopped publishing while its server answers, so its numbers are not given as exact",
+    "config": "the configuration cannot be applied to what the engine reports (a credentials file that cannot be read, "
+              "a block size the configuration needs and does not give)",
+    "invalid": "facts that cannot be accounted or exported (a number beyond 2^53 - 1, not finite, or over a limit)",
+    "internal": "a bug of kvledger's: the traceback is logged",
+    "unavailable": "a part a source runs itself is down: KV events, the startup log, the in-engine ledger, llama.cpp's /metrics",
+    "absent": "NVML: no libnvidia-ml.so.1 on this node",
+    "library": "NVML: the library loaded but failed",
+    "driver": "NVML: the driver failed or a GPU was lost",
+    "disabled": "NVML is off in the configuration (nvml.enabled: false)",
+    "proc": "/proc (process attribution or the socket queues of /proc/net/tcp) could not be read",
+}
+
+
+#: every label name of the catalogue and the one thing it means (one meaning per label name).
+#: ``kind``'s values are the registered engine kinds (kvledger.config.engine_kinds, which the
+#: outputs do not import): open here, checked against the registry by the tests.
+LABELS: dict[str, Label] = {
+    "engine": Label("the engine's name in the configuration"),
+    "pool": Label("a KV pool's id"),
+    "gpu": Label("a GPU index"),
+    "tenant": Label("a tenant named in the configuration"),
+    "basis": Label("whether a figure is exact or a bound", frozenset({"exact", "upper_bound", "lower_bound"})),
+    "kind": Label("the engine kind of the configuration"),
+    "view": Label("the quota view (reservations) or the physical one (blocks holding data)", frozenset({"quota", "physical"})),
+    "limit": Label("whether a limit is a hard cap or an estimate", frozenset({"hard", "estimate"})),
+    "purpose": Label("what an extra context slot is for", frozenset({"speculative", "branch"})),
+    "provenance": Label("where a budget figure comes from", frozenset({"measured", "configured", "estimate"})),
+    "source": Label("the kvledger source reading an engine"),
+    "state": Label("the state of the blocks or requests counted",
+                   frozenset({"in_use", "reclaimable", "free", "running", "waiting", "preempted"})),
+    "output_bound": Label("the kind of a request's output bound", frozenset({"cap", "estimate"})),
+    "category": Label("a device budget term", frozenset({"weights", "workspace", "runtime_buffers", "reserve", "kv_pool"})),
+    "direction": Label("a socket queue's direction", frozenset({"send", "receive"})),
+    "result": Label("an admission re-check's result", frozenset({"accepted", "rejected"})),
+    "type": Label("a KV event's type"),
+    "reason": Label("why a source failed", frozenset(REASONS)),
+    "check": Label("the ledger invariant violated"),
+    "label": Label("the label whose values were limited"),
+    "action": Label("what was done to a label value over the limit"),
+    "memory_type": Label("the engine's own memory category"),
+    "sharing": Label("the sharing rule", frozenset({"per-request", "reference-aware"})),
+    "admission": Label("the engine's admission behaviour", frozenset({"reserve-cap", "dynamic", "unknown"})),
+    "overflow": Label("what happens when an estimate is exceeded", frozenset({"preempt-recompute", "reject", "swap", "unknown"})),
+    "tenant_rule": Label("the rule tenant figures use", frozenset({"per-request"})),
+    "version": Label("the version of what the info family describes (kvledger, an engine)"),
+    "revision": Label("kvledger's git revision"),
+    "python_version": Label("the Python running kvledger"),
+    "uuid": Label("a GPU's UUID"),
+    "name": Label("a GPU's product name"),
+    "driver_version": Label("the NVIDIA driver's version"),
+    "mig": Label("whether the GPU is a MIG instance", frozenset({"true", "false"})),
+    "group": Label("a KV-cache group of a pool (a hybrid model's layer type)"),
+    "layer_type": Label("the layer type of a KV-cache group",
+                        frozenset({"full_attention", "sliding_window", "chunked_local_attention", "mamba"})),
+    "window_tokens": Label("the tokens a KV-cache group's window or chunk spans (empty: none)"),
+    "constraint": Label("a limit that stops an engine admitting work",
+                        frozenset({"kv_quota", "kv_physical", "sequences", "token_budget"})),
+}
 
 
 # ---------------------------------------------------------------- sample helpers
@@ -564,5 +664,38 @@ CATALOG: tuple[MetricSpec, ...] = (
                "Label values from engine data shortened (too long) or dropped (over the per-engine limit), "
                "counted once per poll that carried them.", _labels_limited),
 )
+
+#: the stable families (as kube-state-metrics keeps its STABLE list): the contract of
+#: docs/design.md and what the dashboards, alerts and routers are told to read. A stable family
+#: or one of its labels is renamed only with CHANGELOG.md's "Renamed" entry and RENAMED_* above
+#: (tests/test_metric_stability.py); every other family is experimental.
+STABLE: frozenset[str] = frozenset({
+    # KV pool
+    "kvledger_kv_capacity_bytes", "kvledger_kv_capacity_blocks", "kvledger_kv_block_size_tokens",
+    "kvledger_kv_reserved_bytes", "kvledger_kv_reserved_blocks", "kvledger_kv_pending_growth_bytes",
+    "kvledger_kv_allocated_bytes", "kvledger_kv_in_use_bytes", "kvledger_kv_reclaimable_bytes", "kvledger_kv_free_bytes",
+    "kvledger_kv_blocks", "kvledger_kv_block_references", "kvledger_kv_shared_blocks", "kvledger_kv_headroom_bytes",
+    "kvledger_kv_utilization_ratio", "kvledger_kv_resident_tokens", "kvledger_kv_capacity_tokens",
+    "kvledger_engine_reported_kv_used_blocks",
+    # Scheduler
+    "kvledger_requests", "kvledger_iteration_budget_tokens", "kvledger_iteration_tokens", "kvledger_max_running_requests",
+    "kvledger_admission_headroom_requests", "kvledger_saturation_ratio", "kvledger_saturation_binding",
+    "kvledger_extra_context_slots", "kvledger_preemptions_total", "kvledger_preempted_tokens_total",
+    "kvledger_reservation_overflows_total", "kvledger_admission_rechecks_total", "kvledger_reservation_leaks_total",
+    # Tenants
+    "kvledger_tenant_reserved_bytes", "kvledger_tenant_quota_bytes", "kvledger_tenant_requests",
+    # GPU
+    "kvledger_gpu_memory_total_bytes", "kvledger_gpu_memory_used_bytes", "kvledger_gpu_memory_free_bytes",
+    "kvledger_gpu_memory_driver_reserved_bytes", "kvledger_gpu_up", "kvledger_gpu_info", "kvledger_gpu_process_memory_bytes",
+    "kvledger_gpu_budget_bytes", "kvledger_gpu_memory_unaccounted_bytes",
+    # Host
+    "kvledger_host_buffer_bytes", "kvledger_host_buffer_limit_bytes", "kvledger_network_queue_depth",
+    "kvledger_network_queue_limit", "kvledger_network_socket_queue_bytes",
+    # Info and health
+    "kvledger_policy_info", "kvledger_engine_info", "kvledger_build_info", "kvledger_config_last_reload_successful",
+    "kvledger_config_last_reload_success_timestamp_seconds", "kvledger_source_up",
+    "kvledger_source_last_success_timestamp_seconds", "kvledger_source_duration_seconds", "kvledger_source_errors_total",
+    "kvledger_kv_events_total", "kvledger_kv_events_lost_total", "kvledger_ledger_invariant_violations_total",
+})
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in CATALOG}

@@ -18,10 +18,7 @@ def accounts_to_json(accounts: Accounts | None, health: Iterable[tuple[SourceHea
         out["taken_at"] = accounts.taken_at
         out["sharing"] = accounts.sharing
         for spec in CATALOG:
-            samples = [
-                {"labels": dict(zip(spec.labels, labels, strict=True)), "value": value}
-                for labels, value in spec.samples(accounts)
-            ]
+            samples = [{"labels": labels, "value": value} for labels, value in spec.labelled(accounts)]
             if samples:
                 out["metrics"][spec.name] = samples
     for source, message in health:

@@ -44,7 +44,7 @@ class OtlpOutput:
             accounts = self._latest()
             if accounts is None:
                 return []
-            return [Observation(value, dict(zip(spec.labels, labels, strict=True))) for labels, value in spec.samples(accounts)]
+            return [Observation(value, labels) for labels, value in spec.labelled(accounts)]
 
         return observe
 

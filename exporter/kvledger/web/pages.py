@@ -104,7 +104,7 @@ BYTES = {"in_use": "kvledger_kv_in_use_bytes", "reclaimable": "kvledger_kv_recla
 
 def _samples(name: str, accounts: Accounts) -> list[tuple[dict[str, str], float]]:
     spec = BY_NAME[name]
-    return [(dict(zip(spec.labels, labels, strict=True)), value) for labels, value in spec.samples(accounts)]
+    return list(spec.labelled(accounts))
 
 
 def _measures(name: str, accounts: Accounts, key: tuple[str, ...]) -> dict[Labels, Quantity]:
