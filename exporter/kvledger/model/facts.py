@@ -19,10 +19,22 @@ from kvledger_engine.wire_terms import (
     BUDGET_CATEGORIES as BUDGET_CATEGORIES,
 )
 from kvledger_engine.wire_terms import (
+    CHUNKED_LOCAL_ATTENTION as CHUNKED_LOCAL_ATTENTION,
+)
+from kvledger_engine.wire_terms import (
     COUNTER_NAMES as COUNTER_NAMES,
 )
 from kvledger_engine.wire_terms import (
+    FULL_ATTENTION as FULL_ATTENTION,
+)
+from kvledger_engine.wire_terms import (
+    GROUP_KINDS as GROUP_KINDS,
+)
+from kvledger_engine.wire_terms import (
     LIMIT_KINDS as LIMIT_KINDS,
+)
+from kvledger_engine.wire_terms import (
+    MAMBA as MAMBA,
 )
 from kvledger_engine.wire_terms import (
     OUTPUT_BOUNDS as OUTPUT_BOUNDS,
@@ -34,7 +46,13 @@ from kvledger_engine.wire_terms import (
     REQUEST_STATES as REQUEST_STATES,
 )
 from kvledger_engine.wire_terms import (
+    SLIDING_WINDOW as SLIDING_WINDOW,
+)
+from kvledger_engine.wire_terms import (
     TERM_SOURCES as TERM_SOURCES,
+)
+from kvledger_engine.wire_terms import (
+    WINDOW_GROUP_KINDS as WINDOW_GROUP_KINDS,
 )
 from kvledger_engine.wire_terms import (
     Admission as Admission,
@@ -76,10 +94,6 @@ class BlockRef:
     cached: bool
 
 
-#: the layer types of a KV-cache group sharing a pool (vLLM's KV-cache specs, by what they hold)
-GROUP_KINDS: tuple[str, ...] = ("full_attention", "sliding_window", "chunked_local_attention", "mamba")
-#: the group kinds that hold a span of tokens (``KvGroupFacts.window``) rather than every block
-WINDOW_GROUP_KINDS: tuple[str, ...] = ("sliding_window", "chunked_local_attention")
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 
 from kvledger.model.facts import (
+    MAMBA,
+    WINDOW_GROUP_KINDS,
     KvGroupFacts,
     PoolFacts,
     RequestFacts,
@@ -101,9 +103,9 @@ def group_shape(group: KvGroupFacts) -> GroupShape:
     """The shape of one stated KV-cache group: a sliding window or a local-attention chunk
     holds at most the blocks its span covers (a chunk of C tokens never needs more than a
     window of C), a state group its state blocks per context, full attention every block."""
-    if group.kind == "mamba":
+    if group.kind == MAMBA:
         return GroupShape(None, 1, state_blocks=group.state_blocks or 1)
-    if group.kind in ("sliding_window", "chunked_local_attention"):
+    if group.kind in WINDOW_GROUP_KINDS:
         return GroupShape(group.window, 1)
     return GroupShape(None, 1)
 

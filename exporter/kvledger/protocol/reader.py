@@ -56,6 +56,7 @@ from kvledger.model.facts import (
     COUNTER_NAMES,
     GROUP_KINDS,
     LIMIT_KINDS,
+    MAMBA,
     OVERFLOWS,
     TERM_SOURCES,
     WINDOW_GROUP_KINDS,
@@ -368,7 +369,7 @@ def _groups(raw: object, path: str) -> tuple[KvGroupFacts, ...]:
                 id=gid,
                 kind=kind,
                 window=window if kind in WINDOW_GROUP_KINDS else None,
-                state_blocks=(state_blocks or 1) if kind == "mamba" else None,
+                state_blocks=(state_blocks or 1) if kind == MAMBA else None,
                 in_use=_opt(g, "in_use", where, _int, 0, MAX_BLOCKS),
             )
         )

@@ -1,0 +1,225 @@
+"""What the SGLang plugin reads of SGLang's scheduler: every SGLang name it touches is here.
+
+Read (never written), on the scheduler's thread, at a publication:
+
+- ``scheduler.running_batch.reqs`` (running: admitted, holding KV), ``scheduler.chunked_req``
+  (a prompt being prefilled in chunks: admitted, outside the running batch between chunks)
+  and ``scheduler.waiting_queue`` (waiting; a retracted request waits here again, holding
+  nothing);
+- of each ``Req``: ``rid``, ``origin_input_ids`` (the prompt), ``output_ids`` (output so
+  far), ``sampling_params.max_new_tokens`` (its cap), ``kv_allocated_len`` (tokens it holds
+  in the pool, its cached prefix included), ``kv_committed_len`` (of those, computed),
+  ``cache_protected_len`` (of those, held by the radix cache), ``priority``;
+- ``scheduler.token_to_kv_pool_allocator``: ``page_size``, ``size`` (tokens of the pool),
+  ``available_size()`` (free tokens), ``get_kvcache().get_kv_size_bytes()`` (the pool's bytes);
+- ``scheduler.tree_cache`` (the radix cache): ``evictable_size()`` (cached tokens no request
+  holds: reclaimable), ``protected_size()`` (cached tokens running requests hold);
+- the admission estimate: the scheduler's ``new_token_ratio`` (``new_token_ratio_tracker.current``
+  on builds that keep it in a tracker) and ``CLIP_MAX_NEW_TOKENS`` of
+  ``sglang.srt.managers.schedule_policy`` (the clip of each request's remaining output in
+  that estimate);
+- budgets: ``max_running_requests``, ``chunked_prefill_size`` (server args), ``model_config.context_len``.
+
+A missing name raises ``Unsupported`` at attach time (the plugin then stays off, SGLang
+runs unchanged).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvledger_engine.vllm.document import PoolStatic, RequestRow
+from kvledger_engine.vllm.tracker import PoolSummary
+
+#: SGLang release series this module was read against (SGLang 0.5.23's scheduler)
+SUPPORTED_SERIES: tuple[str, ...] = ("0.5",)
+#: SGLang's default clip of one request's remaining output in its admission estimate
+#: (``SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION``), used where the module constant is not found
+DEFAULT_CLIP = 4096
+
+
+class Unsupported(Exception):
+    """This SGLang (version, configuration or internals) cannot be read exactly."""
+
+
+def sglang_version() -> str:
+    import importlib
+
+    return str(importlib.import_module("sglang.version").__version__)
+
+
+def check_version(version: str, allow_untested: bool) -> None:
+    series = ".".join(version.split("+", 1)[0].split(".")[:2])
+    if series not in SUPPORTED_SERIES and not allow_untested:
+        raise Unsupported(
+            f"SGLang {version} is not a release series the plugin was tested with ({', '.join(SUPPORTED_SERIES)}); "
+            "KVLEDGER_SGLANG_UNTESTED=1 tries it anyway"
+        )
+
+
+def _require(obj: Any, name: str, what: str) -> Any:
+    value = getattr(obj, name, None)
+    if value is None:
+        raise Unsupported(f"{what} has no {name!r}: this SGLang's internals differ from the ones the plugin reads")
+    return value
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The scheduler's state at one publication (taken on its thread)."""
+
+    rows: dict[str, RequestRow]
+    summary: PoolSummary
+    budgets: dict[str, int]
+    new_token_ratio: float | None
+    radix_protected_tokens: int
+
+
+class SchedulerView:
+    """SGLang's scheduler as the plugin reads it."""
+
+    def __init__(self, scheduler: Any, tenant_mode: str = "") -> None:
+        self.scheduler = scheduler
+        self.tenant_mode = tenant_mode
+        alloc = _require(scheduler, "token_to_kv_pool_allocator", "the scheduler")
+        self.allocator = alloc
+        self.tree = _require(scheduler, "tree_cache", "the scheduler")
+        for name in ("evictable_size", "protected_size"):
+            _require(self.tree, name, "the radix cache")
+        _require(alloc, "available_size", "the token pool's allocator")
+        self.page_size = int(getattr(alloc, "page_size", 1) or 1)
+        size = int(_require(alloc, "size", "the token pool's allocator"))
+        if size < self.page_size:
+            raise Unsupported(f"a token pool of {size} tokens holds no page of {self.page_size}")
+        self.num_pages = size // self.page_size
+        if getattr(scheduler, "is_hybrid_swa", False) or getattr(scheduler, "is_hybrid_ssm", False) \
+                or type(self.tree).__name__ not in ("RadixCache", "ChunkCache"):
+            raise Unsupported(f"{type(self.tree).__name__}: the plugin states one full-attention token pool only "
+                              "(hybrid SWA/Mamba pools and HiCache tiers are refused)")
+        self.dp_rank = int(getattr(scheduler, "dp_rank", None) or 0)
+        args = getattr(scheduler, "server_args", None)
+        self.dp_size = int(getattr(args, "dp_size", 1) or 1)
+        self.serving_rank = int(getattr(scheduler, "tp_rank", 0) or 0) == 0 and int(getattr(scheduler, "pp_rank", 0) or 0) == 0
+        self.static = PoolStatic(
+            id=str(self.dp_rank), block_size=self.page_size, block_bytes=self._page_bytes(size),
+            num_blocks=self.num_pages, sliding_window=None, speculative_slots=0,
+        )
+        self.max_running_requests = int(getattr(scheduler, "max_running_requests", 0) or 0) or None
+        model_config = getattr(scheduler, "model_config", None)
+        self.context_len = int(getattr(model_config, "context_len", 0) or 0) or None
+        self.chunked_prefill_size = int(getattr(args, "chunked_prefill_size", 0) or 0) or None
+        self.clip = self._clip()
+
+    def _page_bytes(self, size: int) -> int:
+        """Bytes of one page over all layers (K and V); the pool's buffers hold ``size``
+        tokens plus one padding page, which is no capacity."""
+        kv = self.allocator.get_kvcache() if hasattr(self.allocator, "get_kvcache") else None
+        sizes = getattr(kv, "get_kv_size_bytes", None)
+        if sizes is None:
+            raise Unsupported("the token pool states no size in bytes (get_kvcache().get_kv_size_bytes())")
+        k_bytes, v_bytes = sizes()
+        slots = size + self.page_size
+        per_token = (int(k_bytes) + int(v_bytes)) // slots
+        if per_token <= 0:
+            raise Unsupported(f"the token pool's bytes ({k_bytes} + {v_bytes}) give no bytes per token")
+        return per_token * self.page_size
+
+    @staticmethod
+    def _clip() -> int:
+        policy = sys.modules.get("sglang.srt.managers.schedule_policy")
+        clip = getattr(policy, "CLIP_MAX_NEW_TOKENS", None)
+        if isinstance(clip, int) and clip > 0:
+            return clip
+        raw = os.environ.get("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION", "")
+        return int(raw) if raw.isdigit() and int(raw) > 0 else DEFAULT_CLIP
+
+    # ---------------------------------------------------------------- requests
+    def requests(self) -> Iterator[tuple[Any, str]]:
+        """(req, state) of every request the scheduler holds: running ones first."""
+        s = self.scheduler
+        running = getattr(getattr(s, "running_batch", None), "reqs", None) or ()
+        seen = set()
+        for req in running:
+            seen.add(id(req))
+            yield req, "running"
+        chunked = getattr(s, "chunked_req", None)
+        if chunked is not None and id(chunked) not in seen:
+            seen.add(id(chunked))
+            yield chunked, "running"
+        for req in getattr(s, "waiting_queue", None) or ():
+            if id(req) not in seen:
+                yield req, "waiting"
+
+    def row(self, req: Any, state: str) -> RequestRow:
+        held = int(getattr(req, "kv_allocated_len", 0) or 0) if state == "running" else 0
+        computed = int(getattr(req, "kv_committed_len", 0) or 0) if state == "running" else 0
+        tenant = None
+        if self.tenant_mode == "priority":
+            priority = getattr(req, "priority", None)
+            tenant = None if priority is None else str(priority)
+        return RequestRow(
+            id=str(req.rid),
+            state=state,
+            prompt_tokens=len(req.origin_input_ids),
+            max_output_tokens=int(req.sampling_params.max_new_tokens),
+            generated_tokens=len(req.output_ids),
+            computed_tokens=min(computed, held) if held else computed,
+            blocks_held=ceil_div(held, self.page_size),
+            tenant=tenant,
+        )
+
+    def new_token_ratio(self) -> float | None:
+        s = self.scheduler
+        tracker = getattr(s, "new_token_ratio_tracker", None)
+        value = getattr(tracker, "current", None) if tracker is not None else getattr(s, "new_token_ratio", None)
+        return float(value) if isinstance(value, (int, float)) else None
+
+    def snapshot(self, iteration_tokens: int | None = None) -> Snapshot:
+        page = self.page_size
+        rows: dict[str, RequestRow] = {}
+        references = 0
+        row = self.row
+        for req, state in self.requests():
+            r = row(req, state)
+            rows[r.id] = r
+            references += r.blocks_held
+        free = self.allocator.available_size() // page
+        reclaimable = self.tree.evictable_size() // page
+        summary = PoolSummary(
+            in_use=self.num_pages - free - reclaimable, reclaimable=reclaimable, free=free,
+            references=references, shared=None,
+        )
+        budgets = {}
+        if self.max_running_requests is not None:
+            budgets["max_num_seqs"] = self.max_running_requests
+        if self.context_len is not None:
+            budgets["max_model_len"] = self.context_len
+        if self.chunked_prefill_size is not None:
+            budgets["max_num_batched_tokens"] = self.chunked_prefill_size
+        if iteration_tokens is not None:
+            budgets["iteration_tokens"] = iteration_tokens
+        return Snapshot(rows, summary, budgets, self.new_token_ratio(), int(self.tree.protected_size()))
+
+    def fingerprint(self) -> tuple[int, ...]:
+        """Cheap figures that change whenever the state a publication shows does."""
+        s = self.scheduler
+        running = getattr(getattr(s, "running_batch", None), "reqs", None) or ()
+        return (int(getattr(s, "forward_ct", 0) or 0), len(running), len(getattr(s, "waiting_queue", None) or ()),
+                int(self.allocator.available_size()), int(self.tree.evictable_size()),
+                0 if getattr(s, "chunked_req", None) is None else 1)
+
+    @staticmethod
+    def retraction(req: Any) -> int:
+        """Computed tokens a retraction of ``req`` throws away now: what it computed, less
+        the prefix the radix cache keeps (a later admission finds that again)."""
+        committed = int(getattr(req, "kv_committed_len", 0) or 0)
+        kept = int(getattr(req, "cache_protected_len", 0) or 0)
+        return max(0, committed - kept)
