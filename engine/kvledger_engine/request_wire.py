@@ -28,7 +28,7 @@ import sys
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from kvledger_engine.wire_terms import MAX_SAFE_INT, OUTPUT_BOUNDS, REQUEST_INT_RANGES, REQUEST_STATES
 
@@ -196,7 +196,7 @@ class RequestWriter:
             elif collapse and f.one_value and values and values.count(values[0]) == len(values):
                 out[f.name] = values[0]
             elif f.json_type == "integer" and machine_integers and None not in values:
-                out[f.name] = int64le(values)
+                out[f.name] = int64le(cast(list[int], values))  # no None: checked above
             else:
                 out[f.name] = values
         return out

@@ -2,10 +2,11 @@
 
 Read (never written), on the scheduler's thread, at a publication:
 
-- ``scheduler.running_batch.reqs`` (running: admitted, holding KV), ``scheduler.chunked_req``
-  (a prompt being prefilled in chunks: admitted, outside the running batch between chunks)
-  and ``scheduler.waiting_queue`` (waiting; a retracted request waits here again, holding
-  nothing);
+- the requests: ``scheduler.running_batch``, ``cur_batch``, ``last_batch`` (each a
+  ``ScheduleBatch`` with ``reqs``), the batch a hook saw, ``chunked_req`` (a prompt
+  prefilled in chunks) and ``waiting_queue`` (a retracted request waits here again, holding
+  nothing); a request is admitted while it holds a row of the request-to-token pool
+  (``req_pool_idx``) and has not ``finished()``;
 - of each ``Req``: ``rid``, ``origin_input_ids`` (the prompt), ``output_ids`` (output so
   far), ``sampling_params.max_new_tokens`` (its cap), ``kv_allocated_len`` (tokens it holds
   in the pool, its cached prefix included), ``kv_committed_len`` (of those, computed),
@@ -142,20 +143,29 @@ class SchedulerView:
         return int(raw) if raw.isdigit() and int(raw) > 0 else DEFAULT_CLIP
 
     # ---------------------------------------------------------------- requests
-    def requests(self) -> Iterator[tuple[Any, str]]:
-        """(req, state) of every request the scheduler holds: running ones first."""
+    def requests(self, in_flight: Any = None) -> Iterator[tuple[Any, str]]:
+        """(req, state) of every request the scheduler holds: running ones first.
+
+        Admitted (running): every request of the running batch, of the batch in flight
+        (``in_flight``: the batch the hook saw), of ``cur_batch`` and ``last_batch`` (a
+        prefilled batch joins the running batch only when the scheduler next looks for
+        work) and the chunked request, that still holds its row of the request-to-token pool
+        and has not finished (a finished request stays in its batch until the next filter,
+        its pages already given back). Waiting: ``waiting_queue``."""
         s = self.scheduler
-        running = getattr(getattr(s, "running_batch", None), "reqs", None) or ()
         seen = set()
-        for req in running:
-            seen.add(id(req))
-            yield req, "running"
+        batches = (in_flight, getattr(s, "running_batch", None), getattr(s, "cur_batch", None),
+                   getattr(s, "last_batch", None))
         chunked = getattr(s, "chunked_req", None)
-        if chunked is not None and id(chunked) not in seen:
-            seen.add(id(chunked))
-            yield chunked, "running"
+        for reqs in (*(getattr(b, "reqs", None) or () for b in batches), () if chunked is None else (chunked,)):
+            for req in reqs:
+                if id(req) in seen or req.req_pool_idx is None or req.finished():
+                    continue
+                seen.add(id(req))
+                yield req, "running"
         for req in getattr(s, "waiting_queue", None) or ():
             if id(req) not in seen:
+                seen.add(id(req))
                 yield req, "waiting"
 
     def row(self, req: Any, state: str) -> RequestRow:
@@ -182,12 +192,12 @@ class SchedulerView:
         value = getattr(tracker, "current", None) if tracker is not None else getattr(s, "new_token_ratio", None)
         return float(value) if isinstance(value, (int, float)) else None
 
-    def snapshot(self, iteration_tokens: int | None = None) -> Snapshot:
+    def snapshot(self, iteration_tokens: int | None = None, in_flight: Any = None) -> Snapshot:
         page = self.page_size
         rows: dict[str, RequestRow] = {}
         references = 0
         row = self.row
-        for req, state in self.requests():
+        for req, state in self.requests(in_flight):
             r = row(req, state)
             rows[r.id] = r
             references += r.blocks_held
@@ -208,13 +218,14 @@ class SchedulerView:
             budgets["iteration_tokens"] = iteration_tokens
         return Snapshot(rows, summary, budgets, self.new_token_ratio(), int(self.tree.protected_size()))
 
-    def fingerprint(self) -> tuple[int, ...]:
-        """Cheap figures that change whenever the state a publication shows does."""
+    def fingerprint(self, in_flight: Any = None) -> tuple[int, ...]:
+        """Cheap figures that change whenever the state a publication shows does: the step
+        count, the queues' lengths and the pool's free and evictable tokens."""
         s = self.scheduler
         running = getattr(getattr(s, "running_batch", None), "reqs", None) or ()
         return (int(getattr(s, "forward_ct", 0) or 0), len(running), len(getattr(s, "waiting_queue", None) or ()),
-                int(self.allocator.available_size()), int(self.tree.evictable_size()),
-                0 if getattr(s, "chunked_req", None) is None else 1)
+                len(getattr(in_flight, "reqs", None) or ()), int(self.allocator.available_size()),
+                int(self.tree.evictable_size()), 0 if getattr(s, "chunked_req", None) is None else 1)
 
     @staticmethod
     def retraction(req: Any) -> int:

@@ -86,17 +86,17 @@ def attach(scheduler: Any, settings: Any, version: str) -> None:
                 view.dp_rank, ledger.url, view.num_pages, view.page_size, view.static.block_bytes)
 
 
-def _after_step(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+def _after_step(result: Any, scheduler: Any, batch: Any = None, *args: Any, **kwargs: Any) -> None:
     ledger = getattr(scheduler, ATTRIBUTE, None)
     if ledger is not None:
-        ledger.after_step()
+        ledger.after_step(batch if batch is not None else kwargs.get("batch"))
 
 
 def _after_looking(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
     ledger = getattr(scheduler, ATTRIBUTE, None)
     if ledger is not None:
         batch = getattr(result, "batch_to_run", result)  # a plan on builds that return one
-        ledger.after_step(idle=batch is None)
+        ledger.after_step(batch, idle=batch is None)
 
 
 def _after_pause(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:

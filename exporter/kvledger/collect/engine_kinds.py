@@ -63,9 +63,14 @@ def register(kind: EngineKind) -> None:
     KINDS[kind.name] = kind
 
 
-def kind_specific_keys() -> dict[str, str]:
-    """Each kind-specific configuration key and the kind that owns it."""
-    return {o.name: kind.name for kind in KINDS.values() for o in kind.options}
+def kind_specific_keys() -> dict[str, tuple[str, ...]]:
+    """Each kind-specific configuration key and the kinds that accept it (``ledger``: the
+    kinds with an in-engine plugin)."""
+    owners: dict[str, tuple[str, ...]] = {}
+    for kind in KINDS.values():
+        for o in kind.options:
+            owners[o.name] = (*owners.get(o.name, ()), kind.name)
+    return owners
 
 
 register(EngineKind(
@@ -99,11 +104,13 @@ register(EngineKind(
     options=(
         Option("server_info_url", "address",
                "GET /get_server_info, for page_size on builds whose /metrics has no sglang:page_size"),
+        Option("ledger", "address", "the kvledger SGLang plugin's kvledger/v1 address (KVLEDGER_SGLANG_LEDGER; {dp_rank} per rank)"),
     ),
     admission="dynamic",  # SGLang allocates on demand and retracts (recomputes) under pressure
     overflow="preempt-recompute",
     docs="docs/engines/sglang.md",
-    summary="SGLang's /metrics (--enable-metrics): KV tokens in pages, sliding-window and mamba pools apart",
+    summary="SGLang's /metrics (--enable-metrics): KV tokens in pages, sliding-window and mamba pools apart; "
+            "with the plugin's ledger, exact",
 ))
 
 register(EngineKind(

@@ -435,9 +435,10 @@ def _engine(r: _Reader, names: set[str]) -> EngineConfig:
     names.add(name)
     kind = r.require("kind", _engine_kind)
     owners = kind_specific_keys()
-    foreign = sorted(k for k in map(str, r.data) if owners.get(k, kind) != kind)
+    foreign = sorted(k for k in map(str, r.data) if kind not in owners.get(k, (kind,)))
     if foreign:
-        raise r.error(", ".join(f"{k} is for kind {owners[k]} only" for k in foreign) + f" (this engine is kind {kind})")
+        raise r.error(", ".join(f"{k} is for kind {' or '.join(owners[k])} only" for k in foreign)
+                      + f" (this engine is kind {kind})")
     url = r.require("url", _url)
     authorization, basic_auth, tls_config = _client_auth(r, url)
     model = None

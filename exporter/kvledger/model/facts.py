@@ -113,6 +113,16 @@ class KvGroupFacts:
     in_use: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class AdmissionEstimate:
+    """The engine's own bet on what its running requests will still take (SGLang admits
+    against ``new_token_ratio`` x each running request's remaining output, that remainder
+    clipped at ``output_clip`` tokens): stated beside the declared policy, never in it."""
+
+    new_token_ratio: float
+    output_clip: int
+
+
 @dataclass(slots=True)
 class PoolFacts:
     """One KV pool of an engine. Capacity fields are required; the rest may be unknown."""
@@ -153,6 +163,8 @@ class PoolFacts:
     # Computed tokens the engine threw away by preempting requests of this pool (cumulative:
     # they must be recomputed); None: unknown.
     preempted_tokens: int | None = None
+    # The engine's admission estimate (SGLang's new_token_ratio), when it states one.
+    admission_estimate: AdmissionEstimate | None = None
     # Number of layer groups sharing this pool (hybrid models); token capacity = C // groups * B.
     layer_groups: int = 1
     # The KV-cache groups sharing this pool, when the engine states them (hybrid models):

@@ -13,6 +13,7 @@ import numpy as np
 from kvledger.model.facts import (
     MAMBA,
     WINDOW_GROUP_KINDS,
+    AdmissionEstimate,
     KvGroupFacts,
     PoolFacts,
     RequestFacts,
@@ -239,3 +240,13 @@ def request_columns(requests: Sequence[RequestFacts], pool: PoolFacts, max_model
         group_reservations=groups,
         out_of_range=out_of_range,
     )
+
+
+def admission_estimate_tokens(estimate: AdmissionEstimate, cols: RequestColumns) -> float:
+    """The engine's own admission estimate (SGLang's ``PrefillAdder``): ``new_token_ratio``
+    x the running requests' remaining output (cap less output so far), each remainder
+    clipped at ``output_clip`` tokens. A figure beside the declared policy, never in it:
+    the policy counts every admitted request at its cap."""
+    t = cols.table
+    remaining = np.maximum(0, t.column("max_output_tokens") - t.column("generated_tokens"))[cols.running]
+    return float(estimate.new_token_ratio * int(np.minimum(remaining, estimate.output_clip).sum()))

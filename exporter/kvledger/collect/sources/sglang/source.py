@@ -2,19 +2,36 @@
 ``sglang_facts``. With ``server_info_url`` (GET /get_server_info), the server's
 ``page_size`` is read once and used when /metrics does not export ``sglang:page_size``
 (builds before the kv_* token gauges); a failure to read it fails the poll with the reason.
+
+With ``ledger:`` (the kvledger SGLang plugin's address, ``KVLEDGER_SGLANG_LEDGER``;
+``{dp_rank}`` per data-parallel rank) the plugin's kvledger/v1 documents give the pools and
+the requests exactly (``merge_sglang_ledger``): every admitted request's prompt, cap, output
+so far and pages held, so the reservation is exact; the pages in use, evictable (the radix
+cache's unlocked pages: reclaimable) and free as the scheduler holds them at its last
+publication; retractions and the tokens they threw away; SGLang's own admission estimate.
+/metrics is read beside it, each part on half the engine's timeout, and keeps what only it
+says (the prefix-cache counters, SGLang's own usage claim). All ranks or none: when a rank's
+document is missing or malformed the poll keeps the /metrics figures and the ``ledger``
+sub-source says why.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
-from kvledger.collect.sources.base import EngineContribution, Source, SourceError
+from kvledger.collect.sources.base import EngineContribution, Source, SourceError, SubsourceReport
+from kvledger.collect.sources.document import DocumentReader
 from kvledger.collect.sources.http_client import HttpClient
 from kvledger.collect.sources.prom_text import parse_exposition
 from kvledger.collect.sources.sglang.metrics import PAGE_SIZE, sglang_facts
 from kvledger.config.model import EngineConfig
+from kvledger.model.facts import Budgets, EngineFacts
 from kvledger.model.limits import MAX_TOKENS
+from kvledger.model.request_table import RequestTable
+
+DP_PLACEHOLDER = "{dp_rank}"
 
 
 def page_size_from_server_info(body: str, where: str) -> int:
@@ -34,6 +51,47 @@ def page_size_from_server_info(body: str, where: str) -> int:
     return value
 
 
+def merge_sglang_ledger(metrics: EngineFacts | None, ledgers: dict[str, EngineFacts], name: str) -> EngineFacts:
+    """``metrics`` (None when /metrics gave nothing) with every pool, request and budget
+    taken from ``ledgers`` (by data-parallel rank = pool id) and the retractions they
+    counted; SourceError ``schema`` when a document is not one pool of its rank's id."""
+    base = metrics if metrics is not None else EngineFacts(name=name, kind="sglang", source="sglang")
+    seen = {p.id: p for p in base.pools}
+    pools = []
+    for rank, doc in ledgers.items():
+        if len(doc.pools) != 1 or doc.pools[0].id != rank:
+            names = ", ".join(repr(p.id) for p in doc.pools) or "none"
+            raise SourceError("schema", f"ledger of rank {rank}: expected one pool with id {rank!r}, found {names}")
+        exact = doc.pools[0]
+        claim = seen.get(rank)
+        if claim is not None and (claim.num_blocks, claim.block_size) != (exact.num_blocks, exact.block_size):
+            claim = None  # /metrics describes another pool than this document's
+        pools.append(dataclasses.replace(
+            exact, engine_reported_used_blocks=None if claim is None else claim.engine_reported_used_blocks))
+    counters = dict(base.counters)
+    retracted = [d.counters.get("preemptions") for d in ledgers.values()]
+    if None not in retracted:
+        counters["preemptions"] = sum(v for v in retracted if v is not None)
+    budgets = [d.budgets for d in ledgers.values()]
+    lens = [b.max_model_len for b in budgets if b.max_model_len is not None]
+
+    def total(field: str) -> int | None:
+        values = [getattr(b, field) for b in budgets]
+        return None if None in values else sum(values)
+
+    return dataclasses.replace(
+        base,
+        version=next(iter(ledgers.values())).version or base.version,
+        published_at=min((d.published_at for d in ledgers.values() if d.published_at is not None), default=None),
+        pools=pools,
+        requests=RequestTable.concat([RequestTable.from_requests(d.requests or []) for d in ledgers.values()]),
+        request_counts=None,
+        counters=counters,
+        budgets=Budgets(max_num_batched_tokens=total("max_num_batched_tokens"), iteration_tokens=total("iteration_tokens"),
+                        max_num_seqs=total("max_num_seqs"), max_model_len=min(lens) if lens else base.budgets.max_model_len),
+    )
+
+
 class SglangSource(Source):
     kind = "sglang"
 
@@ -45,17 +103,80 @@ class SglangSource(Source):
         self._info = HttpClient(info, timeout=cfg.timeout_seconds, max_bytes=cfg.max_response_bytes,
                                 accept="application/json", auth=cfg.client_auth) if info else None
         self._page_size: int | None = None
+        self._ledger_address = cfg.option("ledger")
+        self._part = cfg.timeout_seconds / 2 if self._ledger_address else cfg.timeout_seconds
+        self._http.timeout = self._part
+        self._ledgers: dict[str, DocumentReader] = {}
+        self._ledger_error: str | None = "not read yet" if self._ledger_address else None
+        self._metrics_error: str | None = "not read yet" if self._ledger_address else None
+        self._ranks: tuple[str, ...] = ("0",)
 
-    def poll(self) -> EngineContribution:
+    def _metrics(self) -> EngineFacts:
         exp = parse_exposition(self._http.get_text())
         page_size = None
         if PAGE_SIZE not in exp and self._info is not None:
             if self._page_size is None:
                 self._page_size = page_size_from_server_info(self._info.get_text(), self._info.where)
             page_size = self._page_size
-        return EngineContribution(sglang_facts(exp, self.cfg, page_size))
+        return sglang_facts(exp, self.cfg, page_size)
+
+    def poll(self) -> EngineContribution:
+        if not self._ledger_address:
+            return EngineContribution(self._metrics())
+        metrics: EngineFacts | None = None
+        failure: SourceError | None = None
+        try:
+            metrics = self._metrics()
+            self._metrics_error = None
+            # the data-parallel ranks: the full pools /metrics names
+            ranks = tuple(sorted((p.id for p in metrics.pools if p.id.isdigit()), key=int))
+            if ranks:
+                self._ranks = ranks
+        except SourceError as exc:
+            failure, self._metrics_error = exc, f"{exc.reason}: {exc.message}"
+        try:
+            facts = merge_sglang_ledger(metrics, self._read_ledgers(), self.cfg.name)
+        except SourceError as exc:
+            self._ledger_error = f"{exc.reason}: {exc.message}"
+            if metrics is None:
+                assert failure is not None
+                raise failure from None
+            return EngineContribution(metrics)
+        self._ledger_error = None
+        return EngineContribution(facts)
+
+    def _read_ledgers(self) -> dict[str, EngineFacts]:
+        address = self._ledger_address
+        assert address
+        ranks = self._ranks if DP_PLACEHOLDER in address else ("0",)
+        if len(self._ranks) > 1 and DP_PLACEHOLDER not in address:
+            raise SourceError("config", f"ledger: {address} has no {DP_PLACEHOLDER}, but /metrics shows "
+                                        f"{len(self._ranks)} data-parallel ranks (each serves its own ledger)")
+        out = {}
+        for rank in ranks:
+            reader = self._ledgers.get(rank)
+            if reader is None:
+                client = HttpClient(address.replace(DP_PLACEHOLDER, rank), timeout=self._part,
+                                    max_bytes=self.cfg.max_response_bytes, accept="application/json",
+                                    auth=self.cfg.client_auth)
+                reader = self._ledgers[rank] = DocumentReader(client, self.cfg.name)
+            facts = reader.read()
+            if DP_PLACEHOLDER not in address and len(facts.pools) == 1:
+                rank = facts.pools[0].id  # the one pool the address serves, whatever its rank
+            out[rank] = facts
+        return out
+
+    def subsource_health(self) -> list[SubsourceReport]:
+        """``ledger`` and ``metrics`` (/metrics beside the ledger), with a ledger configured."""
+        if not self._ledger_address:
+            return []
+        ages = [r.age for r in self._ledgers.values() if r.age is not None]
+        return [SubsourceReport("ledger", self._ledger_error is None, self._ledger_error, max(ages) if ages else None),
+                SubsourceReport("metrics", self._metrics_error is None, self._metrics_error)]
 
     def close(self) -> None:
         self._http.abort()
         if self._info is not None:
             self._info.abort()
+        for reader in self._ledgers.values():
+            reader.client.abort()
