@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvledger.model.accounts import ConfigReload
 from kvledger.model.facts import (
+    AdmissionEstimate,
     BlockRef,
     Budgets,
     EngineFacts,
@@ -34,7 +35,7 @@ from kvledger.policy.engine_accounts import compute_accounts
 def rich_snapshot() -> Snapshot:
     refs = [BlockRef(0, 2, True), BlockRef(1, 1, True), BlockRef(2, 0, True)]
     pool = PoolFacts(id="0", block_size=16, num_blocks=10, block_bytes=1000, block_refs=refs, engine_reported_used_blocks=2,
-                     preempted_tokens=640)
+                     preempted_tokens=640, admission_estimate=AdmissionEstimate(new_token_ratio=0.5, output_clip=4096))
     reqs = [
         RequestFacts(id="a", state="running", prompt_tokens=20, max_output_tokens=10, tenant="t1", blocks_held=2,
                      block_ids=[0, 1], computed_tokens=25, contexts=2, speculative_slots=2),

@@ -374,3 +374,74 @@ def test_a_hook_that_fails_turns_the_ledger_off_and_sglang_continues(sock_dir: P
                 scheduler.step()
         assert not scheduler._kvledger.on and not (sock_dir / "l.sock").exists()
         assert any("stopped after a scheduling step (ZeroDivisionError" in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------- the daemon's sglang kind with ledger:
+
+
+@contextmanager
+def metrics_server(text: bytes) -> Iterator[str]:
+    """A stand-in for SGLang's /metrics answering ``text`` (a real capture)."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(text)))
+            self.end_headers()
+            self.wfile.write(text)
+
+        def log_message(self, *args: Any) -> None:
+            return
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _sglang_config(url: str, ledger: str) -> Any:
+    from kvledger.config.loader import config_from_mapping
+
+    return config_from_mapping({"engines": [{"name": "s", "kind": "sglang", "url": url, "ledger": ledger}]}).engines[0]
+
+
+def test_the_sglang_kind_reads_the_plugins_ledger_beside_metrics(sock_dir: Path) -> None:
+    from kvledger.collect.sources.sglang.source import SglangSource
+
+    capture = (REPO / "tests/fixtures/sglang/sglang-kv-gauges-metrics.txt").read_bytes()
+    with engine(f"unix://{sock_dir}/l.sock", tokens=160, page_size=4, max_running_requests=8) as (driver, scheduler), \
+            metrics_server(capture) as url:
+        rng = random.Random(5)
+        for i in range(8):
+            scheduler.add_request(driver.Req(f"r{i}", [rng.randrange(10, 900) for _ in range(12)], 40, finish_at=40))
+        for _ in range(25):
+            scheduler.step()
+        scheduler._kvledger.publish_now("test")
+        source = SglangSource(_sglang_config(url, f"unix://{sock_dir}/l.sock"))
+        try:
+            facts = source.poll().facts
+            count = driver.recount(scheduler)
+            compare(facts, count)  # the pools, requests, retractions and reservation: the ledger's
+            assert facts.counters["prefix_cache_hit_tokens"] > 0  # what only /metrics says stays
+            assert [(r.name, r.up) for r in source.subsource_health()] == [("ledger", True), ("metrics", True)]
+            scheduler._kvledger.close()  # the plugin gone: the /metrics figures, and the reason
+            fallback = source.poll().facts
+            assert fallback.requests is None and fallback.pools[0].num_blocks == 262144 // 16  # the capture's pages
+            ledger, metrics = source.subsource_health()
+            assert not ledger.up and ledger.message is not None and "l.sock" in ledger.message and metrics.up
+        finally:
+            source.close()
+
+
+def test_the_ledger_option_is_for_the_kinds_with_a_plugin() -> None:
+    from kvledger.config.loader import ConfigError, config_from_mapping
+
+    with pytest.raises(ConfigError, match=r"ledger is for kind vllm or sglang only \(this engine is kind tgi\)"):
+        config_from_mapping({"engines": [{"name": "t", "kind": "tgi", "url": "http://h:1/metrics", "ledger": "unix:///x"}]})
