@@ -27,8 +27,9 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 from workload import scrape_snapshot
 
-from kvledger.output.prometheus import AccountsCollector, render_openmetrics, render_text
-from kvledger.policy.engine_accounts import compute_accounts
+from kvledger.collect.accounting import AccountCache, account_snapshot
+from kvledger.config.model import LimitsConfig
+from kvledger.output.prometheus import AccountsCollector, check_renderable, render_openmetrics, render_text
 from kvledger.web.endpoints import MetricsBody
 
 BUDGET_MS = 10.0
@@ -46,7 +47,9 @@ def medians(fns: dict[str, Callable[[], object]], runs: int = 200) -> dict[str, 
 
 def main() -> None:
     for blocks in (10_000, 1_000_000):
-        accounts = compute_accounts(scrape_snapshot(blocks=blocks))
+        snapshot = scrape_snapshot(blocks=blocks)
+        accounts = account_snapshot(snapshot, {}, LimitsConfig(), AccountCache(), check_renderable).accounts
+        accounts.health = snapshot.health
         registry = CollectorRegistry(auto_describe=False)
         registry.register(AccountsCollector(lambda a=accounts: a))
         body = render_text(accounts)

@@ -2,8 +2,8 @@
 
 Every parser under fuzz either raises its documented error or returns facts; accepted
 facts must hold only numbers the protocol allows (``assert_facts_in_range``) and must go
-through the whole pipeline: ``compute_accounts`` over a Snapshot holding them beside a
-healthy engine, ``render_text``, and prometheus_client's text parser
+through the whole pipeline: the daemon's accounting step (``accounts_of``) over a Snapshot
+holding them beside a healthy engine, ``render_text``, and prometheus_client's text parser
 (``assert_exports_cleanly``). Every exported number, sums and counters included, is then
 within [-(2**53 - 1), 2**53 - 1], or the exposition check (``check_renderable``) refuses
 the engine, which the collector marks invalid: nothing is exported rounded.
@@ -22,6 +22,7 @@ from array import array
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from accounting_support import accounts_of, no_render_check
 from hypothesis import HealthCheck, settings
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -32,7 +33,6 @@ from kvledger.model.facts import EngineFacts, GpuFacts, PoolFacts, RequestFacts,
 from kvledger.model.limits import MAX_SAFE_INT
 from kvledger.model.request_table import RequestTable
 from kvledger.output.prometheus import check_renderable, render_text
-from kvledger.policy.engine_accounts import compute_accounts
 
 FUZZ_EXAMPLES = int(os.environ.get("KVLEDGER_FUZZ_EXAMPLES", "200"))
 
@@ -113,7 +113,7 @@ def parse_exposition_samples(body: bytes) -> list[tuple[str, dict[str, str], flo
 
 
 def assert_exports_cleanly(facts: EngineFacts, sharing: str = "per-request") -> Accounts:
-    """compute_accounts over [facts, a healthy engine] and render_text; the exposition
+    """The daemon's accounting over [facts, a healthy engine] and render_text; the exposition
     parses and every exported value is finite. Returns the accounts."""
     snapshot = Snapshot(
         engines=[facts, healthy_engine()],
@@ -121,7 +121,7 @@ def assert_exports_cleanly(facts: EngineFacts, sharing: str = "per-request") -> 
         health=[SourceHealth(facts.name, facts.source, True)],
         sharing=sharing,  # type: ignore[arg-type]
     )
-    accounts = compute_accounts(snapshot)
+    accounts = accounts_of(snapshot, render_check=no_render_check)  # the check is asked below, engine by engine
     accounts.invariant_totals = {(e.name, c): 1 for e in accounts.engines for c in e.invariant_violations}
     samples = parse_exposition_samples(render_text(accounts))
     for name, labels, value in samples:

@@ -1,5 +1,6 @@
 """The import graph of a package, read from its source (every import: module level, under
-``TYPE_CHECKING`` and inside functions), for the architecture tests."""
+``TYPE_CHECKING`` and inside functions), and the names its modules define and read, for the
+architecture tests."""
 
 from __future__ import annotations
 
@@ -50,6 +51,50 @@ def import_graph(*sources: tuple[Path, str]) -> dict[str, set[str]]:
         targets = _imported(tree, name, path.name == "__init__.py", known)
         graph[name] = {t for t in targets if t in known and t != name}
     return graph
+
+
+def imported_packages(path: Path) -> set[str]:
+    """The top-level package of every absolute import of a module (``json``, ``pathlib``,
+    ``kvledger``), wherever the import is."""
+    out: set[str] = set()
+    for n in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(n, ast.Import):
+            out.update(a.name.split(".")[0] for a in n.names)
+        elif isinstance(n, ast.ImportFrom) and not n.level and n.module:
+            out.add(n.module.split(".")[0])
+    return out
+
+
+def defined_names(path: Path) -> set[str]:
+    """The public names a module defines at its top level (functions, classes, assignments)."""
+    out: set[str] = set()
+    for n in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            out.add(n.name)
+        elif isinstance(n, ast.Assign):
+            out.update(t.id for t in n.targets if isinstance(t, ast.Name))
+        elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+            out.add(n.target.id)
+    return {name for name in out if not name.startswith("_")}
+
+
+def read_names(path: Path) -> set[str]:
+    """Every name a module reads: as a variable, as an attribute or in a ``from`` import."""
+    out: set[str] = set()
+    for n in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Store):
+            out.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            out.add(n.attr)
+        elif isinstance(n, ast.ImportFrom):
+            out.update(a.name for a in n.names)
+    return out
+
+
+def calls(path: Path, name: str) -> bool:
+    """Whether a module calls the builtin-looking ``name`` (``open``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name for n in ast.walk(tree))
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

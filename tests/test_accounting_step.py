@@ -20,7 +20,8 @@ from kvledger.config.model import LimitsConfig
 from kvledger.model.accounts import Accounts
 from kvledger.model.facts import Budgets, EngineFacts, GpuFacts, PoolFacts, RequestFacts, Snapshot, TenantQuota
 from kvledger.output.prometheus import check_renderable, render_text
-from kvledger.policy.engine_accounts import compute_accounts
+from kvledger.policy.device_budget import budget_terms, gpu_accounts
+from kvledger.policy.engine_accounts import engine_account
 
 LIMITS = LimitsConfig()
 
@@ -53,7 +54,9 @@ def test_accounts_are_the_policys_for_sane_facts() -> None:
     engines = [healthy("a", 3), healthy("b", 5)]
     snapshot = Snapshot(engines=engines, gpus=[GPU], driver_version="550", sharing="reference-aware", taken_at=123.0)
     result = step(snapshot, {e.name: reported(e) for e in engines})
-    expected = compute_accounts(snapshot)
+    terms = budget_terms(engines)  # the policy's formulas, each engine alone, then the GPUs
+    expected = Accounts([engine_account(e, "reference-aware") for e in engines], gpu_accounts(snapshot, terms), terms,
+                        "550", [], "reference-aware", 123.0)
     assert result.accounts == expected  # engines, GPUs, budget, driver, sharing, time; no health, no totals
     assert render_text(result.accounts) == render_text(expected)
     assert result.invalid == {} and result.gpu_error is None
@@ -101,7 +104,7 @@ def test_an_invalid_engine_is_isolated() -> None:
     assert isinstance(result.invalid["nan"], ValueError) and "kvledger_preemptions_total" in str(result.invalid["nan"])
     # "bad" keeps what the configuration says of it; "nan", not configured, is left out
     assert [(e.name, len(e.pools)) for e in result.accounts.engines] == [("good", 1), ("bad", 0)]
-    assert result.accounts.engines[0] == compute_accounts(Snapshot(engines=[good], taken_at=1.0)).engines[0]
+    assert result.accounts.engines[0] == engine_account(good, "per-request")
     assert "bad" not in result.invariants and "nan" not in result.invariants
     assert result.gpu_error is None and len(result.accounts.gpus) == 1
     assert snapshot == before  # the Snapshot is not modified

@@ -1,20 +1,25 @@
 """The package reads as the architecture (docs/design.md §3): no import cycle anywhere (module
 level, ``TYPE_CHECKING`` and function-local imports alike), dependencies that point one way
-between the folders, nothing at the package root but the CLI and the package face, and an
-engine-side library that imports nothing of the daemon."""
+between the folders, nothing at the package root but the CLI and the package face, an
+engine-side library that imports nothing of the daemon, the planner in one package, and
+facts and formulas (``model/``, ``policy/``) with no file I/O and nothing that only the
+planner or the tests read."""
 
 from __future__ import annotations
 
+import ast
+import re
 from pathlib import Path
 
 import pytest
-from import_graph import cycles, import_graph
+from import_graph import calls, cycles, defined_names, import_graph, imported_packages, modules, read_names
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = (ROOT / "exporter", "kvledger"), (ROOT / "engine", "kvledger_engine")
 
 
 GRAPH = import_graph(*SOURCES)
+FILES = modules(ROOT / "exporter", "kvledger")
 
 
 def test_no_import_cycle() -> None:
@@ -40,6 +45,8 @@ def _folder(module: str) -> str:
         return "collect.sources"
     if parts[1:3] == ["config", "model"]:
         return "config.model"
+    if parts[1:3] == ["tools", "plan"]:
+        return "tools.plan"
     return parts[1] if len(parts) > 1 else "kvledger"
 
 
@@ -56,6 +63,7 @@ ALLOWED: dict[str, set[str]] = {
     "output": {"model", "policy", "kvledger"},  # Accounts in, text out (the package face for the version)
     "web": {"output", "collect", "config.model", "config", "model", "tools", "kvledger"},
     "tools": {"collect", "collect.sources", "config.model", "config", "model", "output", "policy", "kvledger"},
+    "tools.plan": {"collect.sources", "config", "model", "output", "policy"},  # the whole planner; only the CLI imports it
     "sim": {"kvledger_engine", "collect.sources", "config.model", "model"},
     "kvledger": set(),
 }
@@ -82,3 +90,46 @@ def test_sources_know_only_facts() -> None:
     for module, targets in GRAPH.items():
         if _folder(module) == "collect.sources" and module != "kvledger.collect.sources.registry":
             assert not {t for t in targets if t.startswith(("kvledger.policy", "kvledger.output", "kvledger.collect.merge", "kvledger.collect.collector"))}, module
+
+
+def test_only_the_cli_imports_the_planner() -> None:
+    """``kvledger plan`` is one package (``tools/plan/``): no other folder reaches into it."""
+    outside = [m for m, targets in GRAPH.items() if _folder(m) != "tools.plan" and m != "kvledger.cli"
+               and any(_folder(t) == "tools.plan" for t in targets)]
+    assert outside == []
+
+
+#: packages whose use is file, process or network I/O
+IO_PACKAGES = {"http", "io", "json", "os", "pathlib", "shutil", "socket", "subprocess", "tempfile", "urllib", "yaml"}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in FILES if _folder(m) == "model"))
+def test_the_model_package_does_no_io(module: str) -> None:
+    """Facts only: reading a file (a model's config.json) is the sources' or the planner's."""
+    path = FILES[module]
+    assert sorted(imported_packages(path) & IO_PACKAGES) == [] and not calls(path, "open")
+
+
+def test_facts_and_formulas_hold_nothing_only_the_planner_or_the_tests_read() -> None:
+    """Every public name of ``model/`` and ``policy/`` is read by the daemon (any module
+    but the planner's): what only the planner needs lives in ``tools/plan/``, what only a
+    test needs lives in the test, and what nothing reads is gone."""
+    read = set().union(*(read_names(path) for m, path in FILES.items() if _folder(m) != "tools.plan"))
+    unread = [f"{m}.{name}" for m, path in sorted(FILES.items()) if _folder(m) in ("model", "policy")
+              for name in sorted(defined_names(path) - read)]
+    assert unread == []
+
+
+def test_the_name_checks_find_what_they_look_for(tmp_path: Path) -> None:
+    """The checks themselves: an unread name, an I/O import and a call of open are found."""
+    module = tmp_path / "m.py"
+    module.write_text("import json\n\nLIMIT = 1\n\n\ndef read():\n    return open('f'), LIMIT\n\n\ndef unread():\n    return read()\n")
+    assert defined_names(module) - read_names(module) == {"unread"}
+    assert imported_packages(module) & IO_PACKAGES == {"json"} and calls(module, "open")
+
+
+def test_the_policy_face_names_its_modules() -> None:
+    """``policy/__init__.py`` lists by concern exactly the modules the package has."""
+    doc = ast.get_docstring(ast.parse(FILES["kvledger.policy"].read_text())) or ""
+    named = set(re.findall(r"``(\w+)``", doc))
+    assert named == {m.rsplit(".", 1)[1] for m in FILES if m.startswith("kvledger.policy.")}

@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Callable
 
 import pytest
+from accounting_support import accounts_of, no_render_check
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvledger.collect.collector import Collector
@@ -16,7 +17,6 @@ from kvledger.collect.sources.base import Contribution, EngineContribution, GpuC
 from kvledger.config.model import LimitsConfig
 from kvledger.model.facts import Budgets, EngineFacts, GpuFacts, PoolFacts, RequestFacts, Snapshot, TenantQuota
 from kvledger.output.prometheus import check_renderable, render_text
-from kvledger.policy.engine_accounts import compute_accounts
 
 
 def healthy(name: str = "good", in_use: int = 3) -> EngineFacts:
@@ -166,7 +166,7 @@ def test_a_bug_in_accounting_never_serves_old_numbers_as_fresh(monkeypatch: pyte
 
 
 def test_check_renderable_names_the_family() -> None:
-    acc = compute_accounts(Snapshot(engines=[dataclasses.replace(healthy(), counters={"preemptions": float("inf")})]))
+    acc = accounts_of(Snapshot(engines=[dataclasses.replace(healthy(), counters={"preemptions": float("inf")})]), render_check=no_render_check)
     with pytest.raises(ValueError, match="kvledger_preemptions_total"):
         check_renderable(acc)
 
@@ -188,7 +188,7 @@ def test_long_label_values_are_shortened_consistently() -> None:
     assert limited.requests is not None and limited.requests[0].pool == limited.pools[0].id
     assert limited.requests[0].tenant == limited.tenants[0].name
     # the request still counts against its (renamed) tenant
-    acc = compute_accounts(Snapshot(engines=[limited]))
+    acc = accounts_of(Snapshot(engines=[limited]))
     assert acc.engines[0].tenants[0].requests["running"] == 1
     assert shorten("a" * 100, 64) != shorten("a" * 99 + "b", 64)  # distinct values stay distinct
     assert e.pools[0].id == long_pool  # the input is not modified
@@ -229,6 +229,7 @@ def test_collector_counts_limited_labels_once_per_poll() -> None:
 def test_render_survives_a_family_that_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     import kvledger.output.prometheus as out
 
+    accounts = accounts_of(Snapshot(engines=[healthy()]))  # made (and checked) before the family breaks
     spec = next(s for s in out.CATALOG if s.name == "kvledger_kv_capacity_blocks")
 
     def boom(_a: object) -> list[object]:
@@ -236,6 +237,6 @@ def test_render_survives_a_family_that_raises(monkeypatch: pytest.MonkeyPatch) -
 
     broken = dataclasses.replace(spec, samples=boom)
     monkeypatch.setattr(out, "CATALOG", tuple(broken if s is spec else s for s in out.CATALOG))
-    s = samples(render_text(compute_accounts(Snapshot(engines=[healthy()]))))
+    s = samples(render_text(accounts))
     assert ("kvledger_kv_capacity_blocks", (("engine", "good"), ("pool", "0"))) not in s
     assert s[("kvledger_kv_capacity_bytes", (("engine", "good"), ("pool", "0")))] == 1000

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 
+from accounting_support import accounts_of
 from exposition_lint import lint_exposition
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,7 +30,6 @@ from kvledger.model.facts import (
 )
 from kvledger.output.catalog import CATALOG
 from kvledger.output.prometheus import make_registry, render_text
-from kvledger.policy.engine_accounts import compute_accounts
 
 
 def rich_snapshot() -> Snapshot:
@@ -78,7 +78,7 @@ def rich_snapshot() -> Snapshot:
 
 
 def exposition() -> str:
-    accounts = compute_accounts(rich_snapshot())
+    accounts = accounts_of(rich_snapshot())
     accounts.invariant_totals = {("sim", "partition"): 1}
     accounts.labels_limited = {("sim", "tenant", "dropped"): 3}
     accounts.config_reload = ConfigReload(successful=True, success_at=1_700_000_000.0)
@@ -86,7 +86,7 @@ def exposition() -> str:
 
 
 def test_direct_rendering_equals_prometheus_client() -> None:
-    accounts = compute_accounts(rich_snapshot())
+    accounts = accounts_of(rich_snapshot())
     accounts.invariant_totals = {("sim", "partition"): 1}
     accounts.labels_limited = {("sim", "tenant", "dropped"): 3}
     accounts.config_reload = ConfigReload(successful=True, success_at=1_700_000_000.0)
@@ -104,7 +104,7 @@ def test_direct_rendering_equals_prometheus_client() -> None:
 def test_label_values_are_escaped() -> None:
     snap = rich_snapshot()
     snap.engines[0].name = 'we"ird\\name\nx'
-    text = render_text(compute_accounts(snap)).decode()
+    text = render_text(accounts_of(snap)).decode()
     names = {s.labels.get("engine") for f in text_string_to_metric_families(text) for s in f.samples}
     assert 'we"ird\\name\nx' in names
 

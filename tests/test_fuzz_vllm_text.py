@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 import pytest
+from accounting_support import accounts_of
 from fuzz_exposition import TIMESTAMPS
 from fuzz_support import FUZZ, assert_exports_cleanly, assert_facts_in_range, exported_alone, parse_exposition_samples
 from hypothesis import event, given
@@ -26,7 +27,6 @@ from kvledger.collect.sources.vllm.metrics import USAGE_CHECK, WHOLE_BLOCKS_CHEC
 from kvledger.config.model import EngineConfig
 from kvledger.model.facts import Snapshot
 from kvledger.model.limits import MAX_SAFE_INT
-from kvledger.policy.engine_accounts import compute_accounts
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 CAPTURES = {p.name: p.read_text() for p in sorted(FIXTURES.glob("*.txt"))}
@@ -146,7 +146,7 @@ def test_usage_outside_unit_interval_is_unknown_and_counted(usage: str) -> None:
     pool = facts.pools[0]
     assert pool.in_use is None and pool.engine_reported_used_blocks is None
     assert pool.source_violations == (USAGE_CHECK,)
-    accounts = compute_accounts(Snapshot(engines=[facts]))
+    accounts = accounts_of(Snapshot(engines=[facts]))
     assert USAGE_CHECK in accounts.engines[0].invariant_violations
     accounts = assert_exports_cleanly(facts)
     from kvledger.output.prometheus import render_text
@@ -270,7 +270,7 @@ def test_a_usage_that_is_no_whole_number_of_blocks_is_not_exact(usage: float, us
     (pool,) = facts.pools
     assert pool.num_blocks == usable and pool.in_use is None and pool.engine_reported_used_blocks is None
     assert pool.source_violations == (WHOLE_BLOCKS_CHECK,)
-    accounts = compute_accounts(Snapshot(engines=[facts]))
+    accounts = accounts_of(Snapshot(engines=[facts]))
     assert WHOLE_BLOCKS_CHECK in accounts.engines[0].invariant_violations
     # never exact: the bound pair of the reading's floor and ceiling (1,023 and 1,024 for 1,023.5)
     in_use = accounts.engines[0].pools[0].physical.in_use

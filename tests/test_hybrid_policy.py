@@ -144,12 +144,13 @@ def test_bad_groups_are_named(groups: object, path: str, says: str) -> None:
 
 
 def test_render_has_one_series_per_group() -> None:
+    from accounting_support import accounts_of
+
     from kvledger.model.facts import Snapshot
-    from kvledger.policy.engine_accounts import compute_accounts
 
     e = EngineFacts(name="e", kind="ledger", source="ledger", pools=[pool(GEMMA)], requests=[req("a", 922, 100, held=35)],
                     budgets=Budgets(max_model_len=2048))  # fmt: skip
-    text = render_text(compute_accounts(Snapshot(engines=[e]))).decode()
+    text = render_text(accounts_of(Snapshot(engines=[e]))).decode()
     assert 'kvledger_kv_group_in_use_blocks{engine="e",pool="0",group="2"} 58.0' in text
     assert 'kvledger_kv_group_reserved_blocks{engine="e",pool="0",group="0",basis="exact"} 3.0' in text
     assert 'kvledger_kv_group_info{engine="e",pool="0",group="0",layer_type="sliding_window",window_tokens="64"} 1.0' in text

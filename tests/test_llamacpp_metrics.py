@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from accounting_support import accounts_of
 
 from kvledger.collect.merge import configured_facts, merge
 from kvledger.collect.sources.base import SourceError
@@ -24,7 +25,6 @@ from kvledger.collect.sources.llamacpp.metrics import parse_metrics
 from kvledger.config.model import EngineConfig
 from kvledger.model.accounts import EngineAccount
 from kvledger.model.facts import EngineFacts, Snapshot
-from kvledger.policy.engine_accounts import compute_accounts
 from kvledger.policy.invariants import ENGINE_RESERVED_CHECK
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llamacpp"
@@ -78,7 +78,7 @@ def test_golden(name: str) -> None:
 
 
 def _accounts(facts: EngineFacts, cfg: EngineConfig) -> EngineAccount:
-    return compute_accounts(Snapshot(engines=[merge(facts, configured_facts(cfg))])).engines[0]
+    return accounts_of(Snapshot(engines=[merge(facts, configured_facts(cfg))])).engines[0]
 
 
 # ---------------------------------------------------------------- the real b11434 captures
@@ -295,7 +295,7 @@ def test_split_reservation_is_exact_under_reference_aware_sharing_too() -> None:
     assert facts.pools[0].shared == 0
     merged = merge(facts, configured_facts(_cfg(block_bytes=128)))
     for sharing in ("per-request", "reference-aware"):
-        (p,) = compute_accounts(Snapshot(engines=[merged], sharing=sharing)).engines[0].pools
+        (p,) = accounts_of(Snapshot(engines=[merged], sharing=sharing)).engines[0].pools
         assert p.reserved_blocks is not None and p.reserved_blocks.exact == 1024
         assert p.quota_headroom_blocks is not None and p.quota_headroom_blocks.exact == 1536 - 1024
 

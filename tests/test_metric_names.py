@@ -9,11 +9,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from accounting_support import accounts_of
 from test_exposition import rich_snapshot
 
 from kvledger.collect.engine_kinds import KINDS
 from kvledger.output.catalog import CATALOG, RENAMED_FAMILIES, RENAMED_LABELS
-from kvledger.policy.engine_accounts import compute_accounts
 from kvledger.tools.plan import parse_live
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,7 +74,7 @@ def test_every_label_name_has_one_documented_meaning() -> None:
 
 
 def test_label_values_stay_within_their_one_meaning() -> None:
-    accounts = compute_accounts(rich_snapshot())
+    accounts = accounts_of(rich_snapshot())
     seen: dict[str, set[str]] = defaultdict(set)
     for spec in CATALOG:
         for labels, _value in spec.samples(accounts):

@@ -13,13 +13,13 @@ import os
 from pathlib import Path
 from unittest import mock
 
+from accounting_support import accounts_of
 from test_exposition import rich_snapshot
 
 from kvledger import BuildInfo, __version__
 from kvledger.model.accounts import ConfigReload
 from kvledger.output.catalog import CATALOG
 from kvledger.output.prometheus import render_text
-from kvledger.policy.engine_accounts import compute_accounts
 
 GOLDEN = Path(__file__).parent / "fixtures" / "metrics.golden.prom"
 REGEN = os.environ.get("KVLEDGER_REGEN") == "1"
@@ -31,7 +31,7 @@ GOLDEN_BUILD = BuildInfo(version=__version__, revision="0123456789abcdef01234567
 
 
 def rendered() -> str:
-    accounts = compute_accounts(rich_snapshot())
+    accounts = accounts_of(rich_snapshot())
     accounts.invariant_totals = {("sim", "partition"): 1}
     accounts.labels_limited = {("sim", "tenant", "dropped"): 3}
     accounts.config_reload = ConfigReload(successful=True, success_at=1_700_000_000.0)

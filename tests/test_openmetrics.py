@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from accounting_support import accounts_of
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
@@ -39,7 +40,6 @@ from kvledger.output.prometheus import (
     render_openmetrics,
     render_text,
 )
-from kvledger.policy.engine_accounts import compute_accounts
 from kvledger.web.connection import Request
 from kvledger.web.endpoints import Endpoints
 
@@ -78,7 +78,7 @@ def _samples(families: object) -> list[tuple[str, tuple[tuple[str, str], ...], f
 
 
 def test_openmetrics_carries_the_text_formats_samples_under_openmetrics_headers() -> None:
-    accounts = compute_accounts(rich_snapshot())
+    accounts = accounts_of(rich_snapshot())
     body = render_openmetrics(accounts, process_registry()).decode()
     assert body.endswith("\n# EOF\n") and body.count("# EOF") == 1
     families = list(parse_openmetrics(body))  # strict: EOF, UNIT suffixes, counter samples named _total
@@ -111,7 +111,7 @@ def test_help_quotes_and_backslashes_are_escaped_as_openmetrics_wants() -> None:
 def test_prometheus_own_openmetrics_parser_reads_every_sample(tmp_path: Path) -> None:
     """promtool tsdb create-blocks-from openmetrics: Prometheus' OpenMetrics parser (the
     scrape's) over the whole body, headers and # EOF included."""
-    accounts = compute_accounts(rich_snapshot())
+    accounts = accounts_of(rich_snapshot())
     body = render_openmetrics(accounts, process_registry()).decode()
     samples = [line for line in body.splitlines() if line and not line.startswith("#")]
     stamped = "\n".join(f"{line} 1700000000" if line and not line.startswith("#") else line for line in body.splitlines()) + "\n"

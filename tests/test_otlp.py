@@ -5,11 +5,11 @@ from __future__ import annotations
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from accounting_support import accounts_of
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from test_exposition import rich_snapshot
 
 from kvledger.output.otlp import OtlpOutput
-from kvledger.policy.engine_accounts import compute_accounts
 
 
 def test_otlp_push_carries_the_catalogue() -> None:
@@ -30,7 +30,7 @@ def test_otlp_push_carries_the_catalogue() -> None:
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    accounts = compute_accounts(rich_snapshot())
+    accounts = accounts_of(rich_snapshot())
     out = OtlpOutput(f"http://127.0.0.1:{server.server_address[1]}", lambda: accounts, interval_seconds=3600)
     try:
         out.flush()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from accounting_support import accounts_of
 from prometheus_client.parser import text_string_to_metric_families
 from test_exposition import rich_snapshot
 from tls_support import bcrypt_hash
@@ -25,7 +26,6 @@ from kvledger.collect.sources.base import Contribution, Source, SourceError
 from kvledger.model.accounts import Accounts
 from kvledger.model.facts import EngineFacts, PoolFacts, Snapshot
 from kvledger.output.prometheus import render_text
-from kvledger.policy.engine_accounts import compute_accounts
 from kvledger.tools.lab import MAX_REQUESTS, run_lab
 from kvledger.web.pages import ACCOUNTS_HEADER, LabRequestError, lab_document, ledger_document
 from kvledger.web.server import KvledgerHTTPServer, basic_auth_header
@@ -50,7 +50,7 @@ def by_basis(samples: Samples, name: str, **labels: str) -> dict[str, float]:
 
 
 def rich_accounts() -> Accounts:
-    accounts = compute_accounts(rich_snapshot())
+    accounts = accounts_of(rich_snapshot())
     accounts.taken_at = 1_700_000_000.25
     return accounts
 
@@ -107,7 +107,7 @@ def test_tenant_names_only_with_the_json_view() -> None:
 
 def test_a_pool_without_bytes_per_block_is_drawn_in_blocks() -> None:
     pool = PoolFacts(id="x", block_size=16, num_blocks=10, in_use=3, reclaimable=2, free=5)
-    accounts = compute_accounts(Snapshot(engines=[EngineFacts(name="e", kind="ledger", source="ledger", pools=[pool])]))
+    accounts = accounts_of(Snapshot(engines=[EngineFacts(name="e", kind="ledger", source="ledger", pools=[pool])]))
     (doc_pool,) = ledger_document(accounts, json_view=False)["engines"][0]["pools"]
     assert doc_pool["unit"] == "blocks" and doc_pool["capacity"] == 10
     assert (doc_pool["in_use"], doc_pool["reclaimable"], doc_pool["free"]) == ({"exact": 3}, {"exact": 2}, {"exact": 5})

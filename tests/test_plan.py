@@ -19,17 +19,18 @@ from typing import Any
 import pytest
 
 from kvledger.cli import main
-from kvledger.model.block_bytes import (
-    ModelConfigError,
-    count_weights,
-    kv_shape,
+from kvledger.model.block_bytes import ModelConfigError, kv_shape
+from kvledger.policy.reservations import reservation_blocks, window_blocks
+from kvledger.tools.plan import GPUS, ModelPlanInput, PlanError, parse_lengths, parse_live, parse_term, plan_from_live, plan_from_model
+from kvledger.tools.plan.layers import (
+    LINEAR_ATTENTION,
+    SLIDING_ATTENTION,
     layer_pools,
     layer_types,
-    layer_windows,
     linear_attention_state_bytes,
+    text_config,
 )
-from kvledger.policy.reservations import reservation_blocks, window_blocks
-from kvledger.policy.sizing import (
+from kvledger.tools.plan.sizing import (
     GroupShape,
     TypePage,
     breaking_term,
@@ -46,10 +47,21 @@ from kvledger.policy.sizing import (
     unified_pages,
     worst_case_concurrency,
 )
-from kvledger.tools.plan import GPUS, ModelPlanInput, PlanError, parse_lengths, parse_live, parse_term, plan_from_live, plan_from_model
+from kvledger.tools.plan.weights import count_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
+
+
+def layer_windows(cfg: dict[str, Any]) -> list[int | None]:
+    """The attention window of every layer (None: full attention), from ``layer_types``; a
+    model with linear-attention layers has none (vllm_num_blocks below groups by window)."""
+    types = layer_types(cfg)
+    if LINEAR_ATTENTION in types:
+        raise ModelConfigError("model config has linear_attention layers: they keep a state, not an attention window")
+    window = text_config(cfg).get("sliding_window")
+    return [window if t == SLIDING_ATTENTION else None for t in types]
+
 
 # ---------------------------------------------------------------- published configs
 
@@ -809,7 +821,7 @@ def test_fixture_configs_are_the_published_values() -> None:
 
 def test_docs_examples_are_the_commands_output(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every ``$ kvledger plan ...`` block of README.md and docs/plan.md shows what the command prints
-    (KVLEDGER_REGEN=1 rewrites them) and the GPU table is the one in tools/plan.py."""
+    (KVLEDGER_REGEN=1 rewrites them) and the GPU table is the one in tools/plan/from_model.py."""
     monkeypatch.chdir(ROOT)
     readme = ROOT / "README.md"
     text = readme.read_text()

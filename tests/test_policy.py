@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from accounting_support import accounts_of
 
 from kvledger.model.facts import (
     BlockRef,
@@ -16,7 +17,7 @@ from kvledger.model.facts import (
     TenantQuota,
 )
 from kvledger.model.measure import Measure
-from kvledger.policy.engine_accounts import admission_headroom, compute_accounts, engine_account
+from kvledger.policy.engine_accounts import admission_headroom, engine_account
 from kvledger.policy.physical import physical_state
 from kvledger.policy.reservations import reservation_blocks
 
@@ -226,7 +227,7 @@ def test_gpu_unaccounted_and_missing_terms() -> None:
     ])
     gpus = [GpuFacts(0, True, total_bytes=10**10, used_bytes=600_000_000, driver_reserved_bytes=5), GpuFacts(1, True, total_bytes=10**10, used_bytes=570_000_000, driver_reserved_bytes=5),
             GpuFacts(2, True, total_bytes=10**10, used_bytes=1)]
-    acc = compute_accounts(Snapshot(engines=[e1], gpus=gpus))
+    acc = accounts_of(Snapshot(engines=[e1], gpus=gpus))
     by_gpu = {g.facts.index: g.unaccounted for g in acc.gpus}
     # TP across 2 GPUs: kv_pool 100 MB split 50 MB each; declared 500+10+5+50 = 565 MB (reserve excluded)
     assert by_gpu[0] == Measure(exact=600_000_000 - 565_000_000)
@@ -242,10 +243,10 @@ def test_gpu_unaccounted_absent_without_weights_and_bound_without_workspace() ->
     pool = PoolFacts(id="0", block_size=16, num_blocks=100, block_bytes=1_000_000)
     gpu = [GpuFacts(0, True, total_bytes=10**10, used_bytes=300_000_000, driver_reserved_bytes=0)]
     no_weights = engine(pool, [], gpus=[0])
-    assert compute_accounts(Snapshot(engines=[no_weights], gpus=gpu)).gpus[0].unaccounted is None
+    assert accounts_of(Snapshot(engines=[no_weights], gpus=gpu)).gpus[0].unaccounted is None
     partial = engine(pool, [], gpus=[0], memory=[MemoryTerm(0, "weights", 100_000_000, "measured")])
     # workspace and runtime buffers undeclared: what is left over is at most 300-100-100
-    assert compute_accounts(Snapshot(engines=[partial], gpus=gpu)).gpus[0].unaccounted == Measure(upper=100_000_000)
+    assert accounts_of(Snapshot(engines=[partial], gpus=gpu)).gpus[0].unaccounted == Measure(upper=100_000_000)
 
 
 def test_several_engines_on_one_gpu() -> None:
@@ -253,7 +254,7 @@ def test_several_engines_on_one_gpu() -> None:
     terms = [MemoryTerm(0, c, 1_000, "configured") for c in ("weights", "workspace", "runtime_buffers")]
     a = EngineFacts(name="a", kind="ledger", source="ledger", pools=[p], gpus=[0], memory=terms)
     b = EngineFacts(name="b", kind="ledger", source="ledger", pools=[p], gpus=[0], memory=terms)
-    acc = compute_accounts(Snapshot(engines=[a, b], gpus=[GpuFacts(0, True, used_bytes=30_000, driver_reserved_bytes=0)]))
+    acc = accounts_of(Snapshot(engines=[a, b], gpus=[GpuFacts(0, True, used_bytes=30_000, driver_reserved_bytes=0)]))
     # each engine declares 3 x 1000 + kv 10 x 1000 = 13,000
     assert acc.gpus[0].unaccounted == Measure(exact=30_000 - 26_000)
 
@@ -282,7 +283,7 @@ def test_unaccounted_is_an_upper_bound_with_memory_v1() -> None:
     p = PoolFacts(id="0", block_size=16, num_blocks=10, block_bytes=1_000)
     terms = [MemoryTerm(0, c, 1_000, "configured") for c in ("weights", "workspace", "runtime_buffers")]
     a = EngineFacts(name="a", kind="ledger", source="ledger", pools=[p], gpus=[0], memory=terms)
-    acc = compute_accounts(Snapshot(engines=[a], gpus=[GpuFacts(0, True, used_bytes=20_000, driver_reserved_bytes=None)]))
+    acc = accounts_of(Snapshot(engines=[a], gpus=[GpuFacts(0, True, used_bytes=20_000, driver_reserved_bytes=None)]))
     assert acc.gpus[0].unaccounted == Measure(upper=7_000)
 
 

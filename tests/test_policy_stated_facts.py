@@ -12,16 +12,16 @@ Expected values are computed by hand from the facts, never by calling the code u
 from __future__ import annotations
 
 import pytest
+from accounting_support import accounts_of
 
 from kvledger.model.facts import Budgets, EngineFacts, PoolFacts, Snapshot
 from kvledger.model.measure import Measure
-from kvledger.policy.engine_accounts import compute_accounts
 
 
 def account(pool: PoolFacts, sharing: str = "per-request", max_model_len: int | None = 1024, max_num_seqs: int | None = None):  # type: ignore[no-untyped-def]
     engine = EngineFacts(name="e", kind="x", source="x", pools=[pool],
                          budgets=Budgets(max_model_len=max_model_len, max_num_seqs=max_num_seqs))
-    accounts = compute_accounts(Snapshot(engines=[engine], sharing=sharing))  # type: ignore[arg-type]
+    accounts = accounts_of(Snapshot(engines=[engine], sharing=sharing))  # type: ignore[arg-type]
     return accounts.engines[0]
 
 

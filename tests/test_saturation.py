@@ -5,11 +5,11 @@ tests count themselves from a reference ledger (never against the formulas under
 from __future__ import annotations
 
 import pytest
+from accounting_support import accounts_of
 
 from kvledger.model.facts import Budgets, EngineFacts, PoolFacts, Snapshot
 from kvledger.model.measure import Measure
 from kvledger.output.catalog import BY_NAME
-from kvledger.policy.engine_accounts import compute_accounts
 from kvledger.policy.saturation import CONSTRAINTS, binding_constraint, token_budget_ratio
 from kvledger.protocol.reader import facts_from_document
 from kvledger_engine.iteration_window import IterationWindow
@@ -19,7 +19,7 @@ B = 16
 
 
 def samples(snapshot: Snapshot, name: str) -> dict[tuple[str, ...], float]:
-    return dict(BY_NAME[name].samples(compute_accounts(snapshot)))
+    return dict(BY_NAME[name].samples(accounts_of(snapshot)))
 
 
 def ledger_engine(ledger: Ledger, name: str = "e") -> EngineFacts:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from accounting_support import accounts_of
 from engine_golden import FIXTURES, check_golden
 
 from kvledger.collect.merge import configured_facts, merge
@@ -18,7 +19,6 @@ from kvledger.collect.sources.sglang.source import page_size_from_server_info
 from kvledger.config.model import EngineConfig
 from kvledger.model.facts import Snapshot
 from kvledger.model.measure import Measure
-from kvledger.policy.engine_accounts import compute_accounts
 
 DIR = FIXTURES / "sglang"
 OLD = (DIR / "sglang-before-kv-gauges-tp2-metrics.txt").read_text()
@@ -46,7 +46,7 @@ def test_golden(name: str) -> None:
 
 def accounts(facts, sharing: str = "per-request"):  # type: ignore[no-untyped-def]
     engine = merge(facts, configured_facts(cfg()))
-    return compute_accounts(Snapshot(engines=[engine], sharing=sharing)).engines[0]  # type: ignore[arg-type]
+    return accounts_of(Snapshot(engines=[engine], sharing=sharing)).engines[0]  # type: ignore[arg-type]
 
 
 def test_kv_gauges_give_the_exact_partition_in_pages() -> None:

@@ -8,12 +8,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from accounting_support import accounts_of
 
 from kvledger.collect.engine_kinds import KINDS
 from kvledger.collect.merge import configured_facts, merge
 from kvledger.model.accounts import EngineAccount
 from kvledger.model.facts import Snapshot
-from kvledger.policy.engine_accounts import compute_accounts
 from kvledger.sim.demo import demo_profiles, exposition_engine_config
 from kvledger.sim.engine import SimEngine
 from kvledger.sim.engine_frontends import FRONTENDS
@@ -36,7 +36,7 @@ def stock(request: pytest.FixtureRequest) -> Iterator[tuple[SimEngine, object, o
 
 def read(cfg, source) -> EngineAccount:  # type: ignore[no-untyped-def]
     facts = merge(source.poll().facts, configured_facts(cfg))
-    return compute_accounts(Snapshot(engines=[facts])).engines[0]
+    return accounts_of(Snapshot(engines=[facts])).engines[0]
 
 
 def test_exports_match_the_true_ledger_at_every_read(stock) -> None:  # type: ignore[no-untyped-def]

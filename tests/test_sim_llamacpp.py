@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import time
 
+from accounting_support import accounts_of
+
 from kvledger.collect.merge import configured_facts, merge
 from kvledger.collect.sources.llamacpp.documents import parse_props, parse_slots
 from kvledger.collect.sources.llamacpp.metrics import parse_metrics
 from kvledger.collect.sources.llamacpp.source import LlamacppSource
 from kvledger.model.facts import Snapshot
-from kvledger.policy.engine_accounts import compute_accounts
 from kvledger.sim.demo import llamacpp_engine_config
 from kvledger.sim.llamacpp_server import SimLlamacpp, SimLlamacppProfile
 
@@ -73,7 +74,7 @@ def test_the_demo_engine_reads_exact_through_the_source() -> None:
                 pool = facts.pools[0]
                 assert pool.num_blocks == 4 * 2048 and pool.in_use is not None and pool.reclaimable is not None
                 assert pool.reserved_blocks == 2048 * (pool.running_requests or 0)
-                acc = compute_accounts(Snapshot(engines=[merge(facts, configured_facts(cfg))])).engines[0]
+                acc = accounts_of(Snapshot(engines=[merge(facts, configured_facts(cfg))])).engines[0]
                 assert acc.invariant_violations == []
                 free = acc.pools[0].physical.free
                 assert free is not None and free.exact == pool.num_blocks - pool.in_use - pool.reclaimable

@@ -7,6 +7,7 @@ Regenerate the goldens (read the diff): see tests/engine_golden.py.
 from __future__ import annotations
 
 import pytest
+from accounting_support import accounts_of
 from engine_golden import FIXTURES, check_golden
 
 from kvledger.collect.merge import configured_facts, merge
@@ -15,7 +16,6 @@ from kvledger.collect.sources.tgi.metrics import tgi_facts
 from kvledger.config.model import EngineConfig
 from kvledger.model.facts import Snapshot
 from kvledger.model.measure import Measure
-from kvledger.policy.engine_accounts import compute_accounts
 
 DIR = FIXTURES / "tgi"
 V3 = (DIR / "tgi-3-flashinfer-metrics.txt").read_text()
@@ -46,13 +46,13 @@ def test_reservation_is_exact_and_nothing_physical_is_claimed() -> None:
     assert facts.request_counts is not None and (facts.request_counts.running, facts.request_counts.waiting) == (9, 2)
     engine = merge(facts, configured_facts(cfg(block_bytes=131072)))
     assert (engine.admission, engine.overflow) == ("reserve-cap", "reject")
-    (p,) = compute_accounts(Snapshot(engines=[engine])).engines[0].pools
+    (p,) = accounts_of(Snapshot(engines=[engine])).engines[0].pools
     assert p.reserved_blocks == Measure(exact=61877)
     assert p.bytes_of(p.reserved_blocks) == Measure(exact=61877 * 131072)
     assert p.quota_headroom_blocks == Measure(exact=252608 - 61877)
     assert p.physical.in_use is None and p.physical.allocated is None and p.physical.reclaimable is None
     assert p.physical_headroom_blocks is None
-    (q,) = compute_accounts(Snapshot(engines=[engine], sharing="reference-aware")).engines[0].pools
+    (q,) = accounts_of(Snapshot(engines=[engine], sharing="reference-aware")).engines[0].pools
     assert q.reserved_blocks == Measure(upper=61877)
 
 

@@ -7,6 +7,7 @@ Regenerate the goldens (read the diff): see tests/engine_golden.py.
 from __future__ import annotations
 
 import pytest
+from accounting_support import accounts_of
 from engine_golden import FIXTURES, check_golden
 
 from kvledger.collect.sources.base import SourceError
@@ -14,7 +15,6 @@ from kvledger.collect.sources.triton_trtllm.metrics import PAUSED_CHECK, USED_CH
 from kvledger.config.model import EngineConfig
 from kvledger.model.facts import Snapshot
 from kvledger.model.measure import Measure
-from kvledger.policy.engine_accounts import compute_accounts
 
 DIR = FIXTURES / "triton-trtllm"
 NEW = (DIR / "triton-trtllm-metrics-names-metrics.txt").read_text()
@@ -36,7 +36,7 @@ def test_metrics_names_with_paused_requests() -> None:
     assert (facts.request_counts.running, facts.request_counts.waiting, facts.request_counts.preempted) == (8, None, 1)
     assert facts.budgets.max_num_seqs == 32
     assert facts.reported_memory == {"gpu": 71940702208, "cpu": 2147483648, "pinned": 1073741824}
-    (p,) = compute_accounts(Snapshot(engines=[facts])).engines[0].pools
+    (p,) = accounts_of(Snapshot(engines=[facts])).engines[0].pools
     assert p.physical.reclaimable == Measure(upper=2560) and p.physical_headroom_blocks == Measure(exact=2560)
     assert p.bytes_of(p.physical.in_use) == Measure(exact=1536 << 20)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from accounting_support import accounts_of
 from engine_golden import FIXTURES, check_golden
 
 from kvledger.collect.merge import configured_facts, merge
@@ -18,7 +19,6 @@ from kvledger.collect.sources.trtllm.metrics import PAUSED_CHECK, USED_CHECK, tr
 from kvledger.config.model import ConfigError, EngineConfig
 from kvledger.model.facts import Snapshot
 from kvledger.model.measure import Measure
-from kvledger.policy.engine_accounts import compute_accounts
 
 DIR = FIXTURES / "trtllm"
 FULL = (DIR / "trtllm-serve-block-gauges-metrics.txt").read_text()
@@ -55,7 +55,7 @@ def test_blocks_used_exact_and_free_includes_reusable_cached_blocks() -> None:
     assert facts.reported_memory == {"gpu": 71940702208, "cpu": 2147483648, "pinned": 1073741824}
     engine = merge(facts, configured_facts(cfg(block_bytes=4 << 20)))
     assert (engine.admission, engine.overflow) == ("reserve-cap", "preempt-recompute")  # GUARANTEED_NO_EVICT default
-    (p,) = compute_accounts(Snapshot(engines=[engine])).engines[0].pools
+    (p,) = accounts_of(Snapshot(engines=[engine])).engines[0].pools
     assert p.physical.in_use == Measure(exact=2048)
     assert p.physical.reclaimable == Measure(upper=6144) and p.physical.free == Measure(upper=6144)
     assert p.physical_headroom_blocks == Measure(exact=6144)
@@ -84,7 +84,7 @@ def test_used_above_capacity_and_paused_above_active_are_violations() -> None:
 
 def test_used_plus_free_not_capacity_is_counted_by_the_policy() -> None:
     facts = trtllm_facts(_set(FULL, "trtllm_kv_cache_free_blocks", "7000.0"), cfg())
-    e = compute_accounts(Snapshot(engines=[facts])).engines[0]
+    e = accounts_of(Snapshot(engines=[facts])).engines[0]
     assert "unreferenced_partition" in e.invariant_violations
     assert e.pools[0].physical.in_use is None
 

@@ -18,7 +18,7 @@ from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.prom_text import parse_exposition
 from kvledger.collect.sources.vllm.metrics import parse_python_str, vllm_facts_from_metrics
 from kvledger.config.model import EngineConfig, ModelDerivation, TenantConfig
-from kvledger.model.block_bytes import ModelConfigError, block_bytes_from_config, kv_shape
+from kvledger.model.block_bytes import ModelConfigError, kv_shape
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 GOLDEN = FIXTURES / "golden"
@@ -210,13 +210,13 @@ def test_version_from_an_info_series() -> None:
 
 def test_model_bytes_llama_and_deepseek_mla() -> None:
     llama = json.loads((FIXTURES / "llama-3.1-8b-config.json").read_text())
-    assert block_bytes_from_config(llama, 16) == 2 << 20
-    assert block_bytes_from_config(llama, 16, "fp8") == 1 << 20
+    assert kv_shape(llama).block_bytes(16) == 2 << 20
+    assert kv_shape(llama, "fp8").block_bytes(16) == 1 << 20
     # TP 16 > 8 KV heads: one head per rank, replicated: 16 ranks x 1 head
-    assert block_bytes_from_config(llama, 16, "auto", 16) == 32 * 2 * 1 * 128 * 2 * 16 * 16
+    assert kv_shape(llama, "auto").block_bytes(16, 16) == 32 * 2 * 1 * 128 * 2 * 16 * 16
     ds = json.loads((FIXTURES / "deepseek-v3-config.json").read_text())
-    assert block_bytes_from_config(ds, 16) == 1_124_352
-    assert block_bytes_from_config(ds, 16, "auto", 8) == 1_124_352 * 8  # latent replicated on each rank
+    assert kv_shape(ds).block_bytes(16) == 1_124_352
+    assert kv_shape(ds, "auto").block_bytes(16, 8) == 1_124_352 * 8  # latent replicated on each rank
 
 
 def test_model_sliding_window_only_when_uniform() -> None:

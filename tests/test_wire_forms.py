@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import orjson
 import pytest
+from accounting_support import accounts_of
 from fuzz_support import FUZZ
 from hypothesis import given
 from hypothesis import strategies as st
@@ -27,7 +28,6 @@ from kvledger.config.model import EngineConfig
 from kvledger.model.facts import Snapshot
 from kvledger.model.request_table import RequestTable
 from kvledger.output.prometheus import render_text
-from kvledger.policy.engine_accounts import compute_accounts
 from kvledger.protocol.fast_decoder import TypedRows, decode, table_from_rows
 from kvledger.protocol.reader import (
     COLUMNS_MEDIA_TYPE,
@@ -78,7 +78,7 @@ def to_columns(doc: dict[str, Any], compact: bool = False, binary: bool = False)
 
 def exposition(facts: Any, sharing: str = "per-request") -> bytes:
     """Everything the daemon would export from these facts."""
-    accounts = compute_accounts(Snapshot(engines=[facts], sharing=sharing))  # type: ignore[arg-type]
+    accounts = accounts_of(Snapshot(engines=[facts], sharing=sharing))  # type: ignore[arg-type]
     accounts.invariant_totals = {(e.name, c): 1 for e in accounts.engines for c in e.invariant_violations}
     return render_text(accounts)
 

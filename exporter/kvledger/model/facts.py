@@ -73,7 +73,6 @@ from kvledger_engine.wire_terms import (
     TermSource as TermSource,
 )
 
-Basis = Literal["exact", "upper_bound", "lower_bound"]
 Sharing = Literal["per-request", "reference-aware"]
 NvmlEnabled = Literal["auto", "true", "false"]
 
@@ -81,8 +80,6 @@ NvmlEnabled = Literal["auto", "true", "false"]
 
 SHARINGS: tuple[Sharing, ...] = ("per-request", "reference-aware")
 NVML_ENABLED: tuple[NvmlEnabled, ...] = ("auto", "true", "false")
-#: kinds of memory an engine's runtime reports holding (TensorRT-LLM's memory counters)
-REPORTED_MEMORY_TYPES: tuple[str, ...] = ("gpu", "cpu", "pinned")
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,8 +270,9 @@ class EngineFacts:
     # Cumulative counters reported by the engine, keyed by COUNTER_NAMES; absent = unknown.
     counters: dict[str, float] = field(default_factory=dict)
     memory: list[MemoryTerm] = field(default_factory=list)
-    # Memory the engine's runtime reports holding, by REPORTED_MEMORY_TYPES (bytes, as the
-    # engine counts it): shown beside the device budget, never added to it.
+    # Memory the engine's runtime reports holding, by kind (gpu, cpu, pinned: TensorRT-LLM's
+    # memory counters), in bytes as the engine counts it: shown beside the device budget,
+    # never added to it.
     reported_memory: dict[str, int] = field(default_factory=dict)
     host: HostFacts = field(default_factory=HostFacts)
     tenants: list[TenantQuota] = field(default_factory=list)

@@ -55,8 +55,6 @@ Two more bounds on what an engine sends:
 
 from __future__ import annotations
 
-import math
-
 # the ranges of the wire's numbers are the engine-side library's (writers check against them too)
 from kvledger_engine.wire_terms import MAX_BLOCKS as MAX_BLOCKS
 from kvledger_engine.wire_terms import MAX_CONTEXTS as MAX_CONTEXTS
@@ -83,9 +81,3 @@ RATIO_TOLERANCE = 2.0**-40
 MAX_TEXT_LINES = 50_000
 #: seconds a document showing running requests may go unpublished and still be exact (module doc)
 MAX_DOCUMENT_AGE = 30.0
-
-
-def is_safe_number(value: float) -> bool:
-    """Finite and within [0, MAX_SAFE_INT] (NaN compares false: rejected)."""
-    return math.isfinite(value) and 0 <= value <= MAX_SAFE_INT
-

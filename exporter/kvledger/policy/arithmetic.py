@@ -5,11 +5,6 @@ from __future__ import annotations
 from kvledger.model.measure import Measure
 from kvledger_engine.reservation import ceil_div as ceil_div  # written once, beside R(r)
 
-ADMITTED_STATES = frozenset(("running", "preempted"))
-
-
-
-
 # ---------------------------------------------------------------- measures
 
 

@@ -1,4 +1,8 @@
-"""Accounts of pools, tenants and engines, and ``compute_accounts`` over a Snapshot."""
+"""Accounts of pools, tenants and engines: ``engine_account`` of one engine's facts.
+
+The daemon accounts a Snapshot one engine at a time (``collect.accounting.account_snapshot``,
+which isolates an engine whose facts cannot be accounted), then its GPUs (``device_budget``).
+"""
 
 from __future__ import annotations
 
@@ -8,16 +12,14 @@ from itertools import repeat
 
 import numpy as np
 
-from kvledger.model.accounts import Accounts, EngineAccount, GroupAccount, PoolAccount, TenantAccount
+from kvledger.model.accounts import EngineAccount, GroupAccount, PoolAccount, TenantAccount
 from kvledger.model.facts import (
     EngineFacts,
     PoolFacts,
-    Snapshot,
 )
 from kvledger.model.measure import Measure
 from kvledger.model.request_table import RequestTable
 from kvledger.policy.arithmetic import _add, ceil_div, ratio_of_capacity
-from kvledger.policy.device_budget import budget_terms, gpu_accounts
 from kvledger.policy.invariants import (
     ENGINE_REPORTED_CHECK,
     ENGINE_RESERVED_CHECK,
@@ -299,20 +301,6 @@ def engine_account(engine: EngineFacts, sharing: str) -> EngineAccount:
         saturation=saturation,
         binding=binding,
         binding_candidates=candidates,
-    )
-
-
-def compute_accounts(snapshot: Snapshot) -> Accounts:
-    engines = [engine_account(e, snapshot.sharing) for e in snapshot.engines]
-    terms = budget_terms(snapshot.engines)
-    return Accounts(
-        engines=engines,
-        gpus=gpu_accounts(snapshot, terms),
-        budget=terms,
-        driver_version=snapshot.driver_version,
-        health=snapshot.health,
-        sharing=snapshot.sharing,
-        taken_at=snapshot.taken_at,
     )
 
 

@@ -126,11 +126,6 @@ def group_cap_blocks(group: KvGroupFacts, block_size: int, max_model_len: int) -
     return int(request_blocks([group_shape(group)], 1, max_model_len - 1, block_size, max_model_len))
 
 
-def held_blocks(req: RequestFacts) -> int:
-    """held(r): blocks the request references now."""
-    return len(req.block_ids) if req.block_ids is not None else req.blocks_held
-
-
 # ---------------------------------------------------------------- pool arithmetic
 
 

@@ -28,8 +28,6 @@ from kvledger.model.measure import Measure
 
 #: every constraint, in the order that breaks ties of the binding one
 CONSTRAINTS: tuple[str, ...] = ("kv_quota", "kv_physical", "sequences", "token_budget")
-#: constraints per pool; the others are the engine's (its scheduler's budgets)
-POOL_CONSTRAINTS: tuple[str, ...] = ("kv_quota", "kv_physical")
 
 #: the constraints each admission behaviour enforces (None: unknown, every one)
 _ENFORCED: dict[Admission | None, frozenset[str]] = {

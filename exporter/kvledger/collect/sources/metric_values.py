@@ -14,9 +14,10 @@ from __future__ import annotations
 import math
 
 from kvledger.collect.sources.base import SourceError
+from kvledger.collect.sources.model_config import load_model_config
 from kvledger.collect.sources.prom_text import Sample
 from kvledger.config.model import EngineConfig
-from kvledger.model.block_bytes import ModelConfigError, kv_shape, load_model_config
+from kvledger.model.block_bytes import ModelConfigError, kv_shape
 from kvledger.model.limits import MAX_SAFE_INT
 
 #: longest series text quoted in a message

@@ -1,5 +1,8 @@
 """An engine's model ``config.json``, read once for the sources that derive bytes per block.
 
+``load_model_config`` reads one (the sources and ``kvledger plan``); the shapes derived
+from it are ``model.block_bytes``'s.
+
 ``ModelConfig(cfg).load()`` is None when the engine's configuration gives ``block_bytes``
 or no ``model``; otherwise the parsed file, read at the first call and kept. A file that
 cannot be read or parsed is ``SourceError("config", ...)`` naming the engine and the key.
@@ -7,11 +10,26 @@ cannot be read or parsed is ``SourceError("config", ...)`` naming the engine and
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from kvledger.collect.sources.base import SourceError
 from kvledger.config.model import EngineConfig
-from kvledger.model.block_bytes import ModelConfigError, load_model_config
+from kvledger.model.block_bytes import ModelConfigError
+
+
+def load_model_config(path: str | Path) -> dict[str, Any]:
+    """A ``config.json`` as a dict; a file that cannot be read or parsed is ModelConfigError."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ModelConfigError(f"{path}: cannot read model config: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ModelConfigError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise ModelConfigError(f"{path}: expected a JSON object")
+    return data
 
 
 class ModelConfig:

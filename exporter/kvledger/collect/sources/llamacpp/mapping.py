@@ -40,8 +40,9 @@ from typing import Any
 from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.llamacpp.documents import Props, Slot
 from kvledger.collect.sources.llamacpp.metrics import ServerMetrics
+from kvledger.collect.sources.model_config import load_model_config
 from kvledger.config.model import EngineConfig
-from kvledger.model.block_bytes import ModelConfigError, kv_shape, load_model_config
+from kvledger.model.block_bytes import ModelConfigError, kv_shape
 from kvledger.model.facts import EngineFacts, PoolFacts, RequestCounts
 from kvledger.model.limits import MAX_BLOCKS, MAX_SAFE_INT
 

@@ -45,9 +45,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvledger.collect.sources.base import SourceError
+from kvledger.collect.sources.model_config import load_model_config
 from kvledger.collect.sources.prom_text import Exposition, Sample, finite, parse_exposition, samples
 from kvledger.config.model import EngineConfig
-from kvledger.model.block_bytes import ModelConfigError, ModelKvShape, kv_shape, load_model_config
+from kvledger.model.block_bytes import ModelConfigError, ModelKvShape, kv_shape
 from kvledger.model.facts import EngineFacts, PoolFacts, RequestCounts
 from kvledger.model.limits import MAX_BLOCKS, MAX_SAFE_INT, MAX_TOKENS, RATIO_TOLERANCE
 
