@@ -4,7 +4,7 @@ tests/fake_sglang/ is a small fake ``sglang`` with the internals the plugin read
 plugin framework it is loaded by (see its docstring); each test imports it afresh and
 removes it afterwards. The real engine is tested in tests/sglang_real/. The documents are
 read as the daemon reads them (over the plugin's own Unix socket, parsed by
-``parse_document``; accounted by ``engine_account``, the function the daemon runs) and
+``parse_document``; accounted by the daemon's accounting step, ``accounts_of``) and
 compared with a page-by-page recount of the fake scheduler (``fake_sglang.driver.recount``).
 """
 
@@ -26,6 +26,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from accounting_support import accounts_of
 from fake_sglang import ROOT as FAKE_ROOT
 from fake_sglang import installed
 from hypothesis import HealthCheck, given, settings
@@ -34,7 +35,8 @@ from hypothesis import strategies as st
 from kvledger.collect.sources.document import parse_document
 from kvledger.collect.sources.http_client import HttpClient
 from kvledger.model.facts import EngineFacts
-from kvledger.policy.engine_accounts import engine_account
+from kvledger.model.accounts import EngineAccount
+from kvledger.model.facts import Snapshot
 from kvledger.protocol.reader import schema_errors
 from kvledger_engine.sglang.settings import ENV_INTERVAL, ENV_LEDGER, ENV_TENANT, ENV_UNTESTED, Settings, SettingsError
 
@@ -97,6 +99,12 @@ def served(scheduler: Any) -> EngineFacts:
     return parse_document(body, "test", "e")
 
 
+def engine_account(facts: EngineFacts) -> EngineAccount:
+    """The engine's account as the daemon's accounting step makes it."""
+    (account,) = accounts_of(Snapshot(engines=[facts])).engines
+    return account
+
+
 def compare(facts: EngineFacts, count: Any) -> None:
     """The document's pool, requests, counters and reserved figure equal the recount."""
     (pool,) = facts.pools
@@ -105,7 +113,7 @@ def compare(facts: EngineFacts, count: Any) -> None:
     assert got == count.requests
     assert facts.counters.get("preemptions") == count.retractions
     assert pool.preempted_tokens == count.retracted_tokens
-    account = engine_account(facts, "per-request")
+    account = engine_account(facts)
     (acc,) = account.pools
     assert acc.reserved_blocks is not None and acc.reserved_blocks.exact == count.reserved_pages
 
@@ -201,7 +209,7 @@ def test_idle_shows_nothing_in_use_and_the_cached_prefix_reclaimable(sock_dir: P
         assert pool.in_use == 0 and not list(facts.requests or ())
         assert pool.reclaimable == count.reclaimable >= len(prefix) // 4  # the shared prefix's pages are cached
         assert pool.free == count.free
-        account = engine_account(facts, "per-request")
+        account = engine_account(facts)
         assert account.pools[0].reserved_blocks is not None and account.pools[0].reserved_blocks.exact == 0
 
 
@@ -219,7 +227,7 @@ def test_retractions_and_their_discarded_tokens_are_counted(sock_dir: Path) -> N
         scheduler._kvledger.publish_now("test")
         facts = served(scheduler)
         compare(facts, count)
-        (acc,) = engine_account(facts, "per-request").pools
+        (acc,) = engine_account(facts).pools
         assert acc.engine_new_token_ratio == scheduler.new_token_ratio_tracker.current
 
 
@@ -231,7 +239,7 @@ def test_the_admission_estimate_is_a_separate_figure(sock_dir: Path) -> None:
             scheduler.step()
         scheduler._kvledger.publish_now("test")
         facts = served(scheduler)
-        (acc,) = engine_account(facts, "per-request").pools
+        (acc,) = engine_account(facts).pools
         ratio = scheduler.new_token_ratio_tracker.current
         remaining = sum(r.sampling_params.max_new_tokens - len(r.output_ids) for r in scheduler.running_batch.reqs)
         assert acc.engine_admission_estimate_tokens == pytest.approx(ratio * remaining)
@@ -303,7 +311,7 @@ def test_saturation_names_max_running_requests_when_it_binds(sock_dir: Path) -> 
             scheduler.add_request(driver.Req(f"r{i}", list(range(8)), 20, finish_at=20))
         scheduler.step()
         scheduler._kvledger.publish_now("test")
-        account = engine_account(served(scheduler), "per-request")
+        account = engine_account(served(scheduler))
         assert account.binding == "sequences"
 
 
@@ -313,7 +321,7 @@ def test_saturation_names_the_token_pool_when_it_binds(sock_dir: Path) -> None:
             scheduler.add_request(driver.Req(f"r{i}", [i * 100 + j for j in range(12)], 4, finish_at=4))
         scheduler.step()
         scheduler._kvledger.publish_now("test")
-        account = engine_account(served(scheduler), "per-request")
+        account = engine_account(served(scheduler))
         assert account.binding == "kv_physical"
 
 
