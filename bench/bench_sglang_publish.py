@@ -44,6 +44,15 @@ class Params:
         self.max_new_tokens = cap
 
 
+class KvInfo:
+    """SGLang 0.5.23's ``ReqKvInfo``: the KV a request holds."""
+
+    def __init__(self, tokens: int) -> None:
+        self.req_pool_idx = 1
+        self.kv_allocated_len = self.kv_committed_len = tokens
+        self.cache_protected_len = 0
+
+
 class Req:
     """What the view reads of SGLang's ``Req``."""
 
@@ -52,9 +61,7 @@ class Req:
         self.origin_input_ids = range(prompt)  # len() is what the view reads
         self.output_ids: list[int] = []
         self.sampling_params = Params(cap)
-        self.kv_allocated_len = self.kv_committed_len = prompt
-        self.cache_protected_len = 0
-        self.req_pool_idx = 1
+        self.kv = KvInfo(prompt)
         self.priority = None
 
     def finished(self) -> bool:
@@ -119,21 +126,22 @@ class ModelScheduler:
         self.next_id += 1
         req = Req(f"{self.next_id:032x}", self.rng.randint(100, 1000), self.rng.randint(200, 600))
         self.running_batch.reqs.append(req)
-        self.token_to_kv_pool_allocator.used += -(-req.kv_allocated_len // self.page) * self.page
+        self.token_to_kv_pool_allocator.used += -(-req.kv.kv_allocated_len // self.page) * self.page
 
     def step(self, replace: int) -> Batch:
         self.forward_ct += 1
         page = self.page
         alloc = self.token_to_kv_pool_allocator
         for req in self.running_batch.reqs:
-            if req.kv_allocated_len % page == 0:
+            kv = req.kv
+            if kv.kv_allocated_len % page == 0:
                 alloc.used += page
-            req.kv_allocated_len += 1
-            req.kv_committed_len += 1
+            kv.kv_allocated_len += 1
+            kv.kv_committed_len += 1
             req.output_ids.append(1)
         for _ in range(replace):
             req = self.running_batch.reqs.pop(self.rng.randrange(len(self.running_batch.reqs)))
-            alloc.used -= -(-req.kv_allocated_len // page) * page
+            alloc.used -= -(-req.kv.kv_allocated_len // page) * page
             self.add()
         return self.running_batch
 
@@ -167,7 +175,7 @@ def run(requests: int, steps: int, form: str, step_ms: float, page: int) -> dict
             batch = scheduler.step(1 if i % replace_every == 0 else 0)
             publications = ledger.publications
             t = time.thread_time()
-            ledger.after_step(batch)  # the hook after process_batch_result
+            ledger.after_step((batch,))  # the hook after process_batch_result
             cost = time.thread_time() - t
             (publishes if ledger.publications != publications else hooks).append(cost)
             if int((i + 1) / steps_per_second) != int(i / steps_per_second):  # the daemon's poll, once a second

@@ -257,7 +257,7 @@ def _doc() -> dict[str, Any]:
         (("pools", 0, "admission_estimate"), {"new_token_ratio": 0.5, "output_clip": 0},
          "pools[0].admission_estimate.output_clip: must be >= 1, got 0"),
         (("pools", 0, "admission_estimate"), {"new_token_ratio": 0.5}, "pools[0].admission_estimate.output_clip: is required"),
-        (("pools", 0, "admission_estimate"), [0.5], "pools[0].admission_estimate: expected object, got [0.5]"),
+        (("pools", 0, "admission_estimate"), [0.5], "pools[0].admission_estimate: expected object, got an array"),
     ],
 )
 def test_probe_findings_are_rejected_with_the_field_path(path: tuple[Any, ...], value: Any, message: str) -> None:

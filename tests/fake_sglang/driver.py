@@ -47,7 +47,7 @@ def recount(s: Scheduler) -> Recount:
     page = s.page_size
     # admitted: every request that holds a row of the request-to-token pool and has not
     # finished, wherever the scheduler keeps it (running batch, a prefill not merged yet)
-    running = [r for r in s.all_reqs.values() if r.req_pool_idx is not None and not r.finished()]
+    running = [r for r in s.all_reqs.values() if r.kv.req_pool_idx is not None and not r.finished()]
     held: set[int] = set()
     for r in running:
         held.update(r.pages)

@@ -8,13 +8,17 @@ Read (never written), on the scheduler's thread, at a publication:
   nothing); a request is admitted while it holds a row of the request-to-token pool
   (``req_pool_idx``) and has not ``finished()``;
 - of each ``Req``: ``rid``, ``origin_input_ids`` (the prompt), ``output_ids`` (output so
-  far), ``sampling_params.max_new_tokens`` (its cap), ``kv_allocated_len`` (tokens it holds
-  in the pool, its cached prefix included), ``kv_committed_len`` (of those, computed),
-  ``cache_protected_len`` (of those, held by the radix cache), ``priority``;
+  far), ``sampling_params.max_new_tokens`` (its cap), ``finished()``, ``priority``, and of its
+  KV record ``req.kv`` (``ReqKvInfo`` in 0.5.23; the request itself on builds before it):
+  ``req_pool_idx`` (its row of the request-to-token pool: it holds KV), ``kv_allocated_len``
+  (tokens it holds in the pool, its cached prefix included), ``kv_committed_len`` (of those,
+  computed), ``cache_protected_len`` (of those, owned by the radix cache);
 - ``scheduler.token_to_kv_pool_allocator``: ``page_size``, ``size`` (tokens of the pool),
   ``available_size()`` (free tokens), ``get_kvcache().get_kv_size_bytes()`` (the pool's bytes);
-- ``scheduler.tree_cache`` (the radix cache): ``evictable_size()`` (cached tokens no request
-  holds: reclaimable), ``protected_size()`` (cached tokens running requests hold);
+- ``scheduler.tree_cache`` (the radix cache: ``UnifiedRadixCache`` with the full-attention
+  component alone in 0.5.23, ``RadixCache`` before it, ``ChunkCache`` with the radix cache
+  off): ``evictable_size()`` (cached tokens no request holds: reclaimable),
+  ``protected_size()`` (cached tokens running requests hold);
 - the admission estimate: the scheduler's ``new_token_ratio`` (``new_token_ratio_tracker.current``
   on builds that keep it in a tracker) and ``CLIP_MAX_NEW_TOKENS`` of
   ``sglang.srt.managers.schedule_policy`` (the clip of each request's remaining output in
@@ -84,11 +88,41 @@ class Snapshot:
     radix_protected_tokens: int
 
 
+#: prefix caches of hybrid pools or host tiers (SGLang 0.5.23's class names)
+REFUSED_CACHES = ("SWARadixCache", "PureSWARadixCache", "MambaRadixCache", "HiRadixCache", "HiMambaRadixCache",
+                  "LMCacheUnifiedRadixCache", "LMCRadixCache")
+
+
+def _refused_cache(scheduler: Any, tree: Any) -> str | None:
+    """Why the scheduler's pool is not one full-attention token pool (None when it is):
+    a hybrid model (``is_hybrid_swa``, ``is_hybrid_ssm``), a unified radix tree with a
+    sliding-window or Mamba component, a cache with a host tier (``cache_controller``:
+    HiCache), or a cache class of those kinds."""
+    name = type(tree).__name__
+    if getattr(scheduler, "is_hybrid_swa", False) or getattr(scheduler, "is_hybrid_ssm", False):
+        return f"a hybrid model's pools ({name})"
+    if getattr(tree, "is_swa_enabled", False) or getattr(tree, "is_mamba_enabled", False):
+        return f"{name} with sliding-window or Mamba components"
+    if getattr(tree, "cache_controller", None) is not None:
+        return f"{name} with a host tier (HiCache)"
+    if name in REFUSED_CACHES:
+        return name
+    return None
+
+
 class SchedulerView:
     """SGLang's scheduler as the plugin reads it."""
 
-    def __init__(self, scheduler: Any, tenant_mode: str = "") -> None:
+    def __init__(self, scheduler: Any, tenant_mode: str = "", ranks: dict[str, Any] | None = None) -> None:
+        """``ranks``: the scheduler's ``tp_rank``, ``pp_rank`` and ``dp_rank`` as SGLang built it
+        (its constructor's arguments); else the scheduler's attributes of those names."""
         self.scheduler = scheduler
+        ranks = ranks or {}
+
+        def rank(name: str) -> int:
+            value = ranks.get(name, getattr(scheduler, name, None))
+            return int(value) if isinstance(value, int) else 0
+
         self.tenant_mode = tenant_mode
         alloc = _require(scheduler, "token_to_kv_pool_allocator", "the scheduler")
         self.allocator = alloc
@@ -101,14 +135,14 @@ class SchedulerView:
         if size < self.page_size:
             raise Unsupported(f"a token pool of {size} tokens holds no page of {self.page_size}")
         self.num_pages = size // self.page_size
-        if getattr(scheduler, "is_hybrid_swa", False) or getattr(scheduler, "is_hybrid_ssm", False) \
-                or type(self.tree).__name__ not in ("RadixCache", "ChunkCache"):
-            raise Unsupported(f"{type(self.tree).__name__}: the plugin states one full-attention token pool only "
+        refused = _refused_cache(scheduler, self.tree)
+        if refused:
+            raise Unsupported(f"{refused}: the plugin states one full-attention token pool only "
                               "(hybrid SWA/Mamba pools and HiCache tiers are refused)")
-        self.dp_rank = int(getattr(scheduler, "dp_rank", None) or 0)
+        self.dp_rank = rank("dp_rank")
         args = getattr(scheduler, "server_args", None)
         self.dp_size = int(getattr(args, "dp_size", 1) or 1)
-        self.serving_rank = int(getattr(scheduler, "tp_rank", 0) or 0) == 0 and int(getattr(scheduler, "pp_rank", 0) or 0) == 0
+        self.serving_rank = rank("tp_rank") == 0 and rank("pp_rank") == 0
         self.static = PoolStatic(
             id=str(self.dp_rank), block_size=self.page_size, block_bytes=self._page_bytes(size),
             num_blocks=self.num_pages, sliding_window=None, speculative_slots=0,
@@ -143,23 +177,23 @@ class SchedulerView:
         return int(raw) if raw.isdigit() and int(raw) > 0 else DEFAULT_CLIP
 
     # ---------------------------------------------------------------- requests
-    def requests(self, in_flight: Any = None) -> Iterator[tuple[Any, str]]:
+    def requests(self, in_flight: tuple[Any, ...] = ()) -> Iterator[tuple[Any, str]]:
         """(req, state) of every request the scheduler holds: running ones first.
 
-        Admitted (running): every request of the running batch, of the batch in flight
-        (``in_flight``: the batch the hook saw), of ``cur_batch`` and ``last_batch`` (a
+        Admitted (running): every request of the running batch, of the batches in flight
+        (``in_flight``: the batches the hook saw: the plan ``get_next_batch_to_run`` returned,
+        whose running batch the scheduler takes only after the hook), of ``last_batch`` (a
         prefilled batch joins the running batch only when the scheduler next looks for
         work) and the chunked request, that still holds its row of the request-to-token pool
         and has not finished (a finished request stays in its batch until the next filter,
         its pages already given back). Waiting: ``waiting_queue``."""
         s = self.scheduler
         seen = set()
-        batches = (in_flight, getattr(s, "running_batch", None), getattr(s, "cur_batch", None),
-                   getattr(s, "last_batch", None))
+        batches = (*in_flight, getattr(s, "running_batch", None), getattr(s, "last_batch", None))
         chunked = getattr(s, "chunked_req", None)
         for reqs in (*(getattr(b, "reqs", None) or () for b in batches), () if chunked is None else (chunked,)):
             for req in reqs:
-                if id(req) in seen or req.req_pool_idx is None or req.finished():
+                if id(req) in seen or getattr(getattr(req, "kv", req), "req_pool_idx", None) is None or req.finished():
                     continue
                 seen.add(id(req))
                 yield req, "running"
@@ -169,8 +203,9 @@ class SchedulerView:
                 yield req, "waiting"
 
     def row(self, req: Any, state: str) -> RequestRow:
-        held = int(getattr(req, "kv_allocated_len", 0) or 0) if state == "running" else 0
-        computed = int(getattr(req, "kv_committed_len", 0) or 0) if state == "running" else 0
+        kv = getattr(req, "kv", req)
+        held = int(kv.kv_allocated_len or 0) if state == "running" else 0
+        computed = int(kv.kv_committed_len or 0) if state == "running" else 0
         tenant = None
         if self.tenant_mode == "priority":
             priority = getattr(req, "priority", None)
@@ -192,7 +227,7 @@ class SchedulerView:
         value = getattr(tracker, "current", None) if tracker is not None else getattr(s, "new_token_ratio", None)
         return float(value) if isinstance(value, (int, float)) else None
 
-    def snapshot(self, iteration_tokens: int | None = None, in_flight: Any = None) -> Snapshot:
+    def snapshot(self, iteration_tokens: int | None = None, in_flight: tuple[Any, ...] = ()) -> Snapshot:
         page = self.page_size
         rows: dict[str, RequestRow] = {}
         references = 0
@@ -218,19 +253,20 @@ class SchedulerView:
             budgets["iteration_tokens"] = iteration_tokens
         return Snapshot(rows, summary, budgets, self.new_token_ratio(), int(self.tree.protected_size()))
 
-    def fingerprint(self, in_flight: Any = None) -> tuple[int, ...]:
+    def fingerprint(self, in_flight: tuple[Any, ...] = ()) -> tuple[int, ...]:
         """Cheap figures that change whenever the state a publication shows does: the step
         count, the queues' lengths and the pool's free and evictable tokens."""
         s = self.scheduler
         running = getattr(getattr(s, "running_batch", None), "reqs", None) or ()
         return (int(getattr(s, "forward_ct", 0) or 0), len(running), len(getattr(s, "waiting_queue", None) or ()),
-                len(getattr(in_flight, "reqs", None) or ()), int(self.allocator.available_size()),
+                sum(len(getattr(b, "reqs", None) or ()) for b in in_flight), int(self.allocator.available_size()),
                 int(self.tree.evictable_size()), 0 if getattr(s, "chunked_req", None) is None else 1)
 
     @staticmethod
     def retraction(req: Any) -> int:
         """Computed tokens a retraction of ``req`` throws away now: what it computed, less
         the prefix the radix cache keeps (a later admission finds that again)."""
-        committed = int(getattr(req, "kv_committed_len", 0) or 0)
-        kept = int(getattr(req, "cache_protected_len", 0) or 0)
+        kv = getattr(req, "kv", req)
+        committed = int(getattr(kv, "kv_committed_len", 0) or 0)
+        kept = int(getattr(kv, "cache_protected_len", 0) or 0)
         return max(0, committed - kept)

@@ -85,17 +85,17 @@ class SchedulerLedger:
             os.close(claim)
 
     # ---------------------------------------------------------------- hooks (scheduler thread)
-    def after_step(self, batch: Any = None, idle: bool = False) -> None:
-        """The end of a step, or the scheduler having looked for work (``batch``: the batch
-        the hook saw; ``idle``: the scheduler found nothing to run)."""
+    def after_step(self, batches: tuple[Any, ...] = (), idle: bool = False) -> None:
+        """The end of a step, or the scheduler having looked for work (``batches``: the
+        batches the hook saw; ``idle``: the scheduler found nothing to run)."""
         if not self.on:
             return
         try:
-            fingerprint = self.view.fingerprint(batch)
+            fingerprint = self.view.fingerprint(batches)
             if fingerprint == self._fingerprint:
                 return
             if self.throttle.due(idle=idle):
-                self.publish(fingerprint, batch)
+                self.publish(fingerprint, batches)
         except Exception as exc:
             self.fail("after a scheduling step", exc)
 
@@ -114,11 +114,11 @@ class SchedulerLedger:
                 self.fail(where, exc)
 
     # ---------------------------------------------------------------- publication
-    def publish(self, fingerprint: tuple[int, ...] | None = None, batch: Any = None) -> None:
+    def publish(self, fingerprint: tuple[int, ...] | None = None, batches: tuple[Any, ...] = ()) -> None:
         started = self.throttle.clock()
         began = time.perf_counter()
         view = self.view
-        snap = view.snapshot(self.iteration_tokens, batch)
+        snap = view.snapshot(self.iteration_tokens, batches)
         gone = self._known - snap.rows.keys()
         self._known = set(snap.rows)
         self.publications += 1
@@ -136,7 +136,7 @@ class SchedulerLedger:
         self.document.publish(snap.summary, snap.budgets, snap.rows, gone, stats, pool_extra,
                               {"preemptions": self.retractions})
         self.last = snap
-        self._fingerprint = fingerprint if fingerprint is not None else view.fingerprint(batch)
+        self._fingerprint = fingerprint if fingerprint is not None else view.fingerprint(batches)
         self.throttle.published(started, cost + (render - self._render_seen))
         self._render_seen = render
 

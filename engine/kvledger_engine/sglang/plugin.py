@@ -54,9 +54,15 @@ def register() -> None:
         logger.warning("kvledger: the SGLang ledger plugin is off: %s", exc)
 
 
+#: ``Scheduler.__init__``'s parameters after ``self``, in SGLang 0.5.23's order
+INIT_PARAMETERS = ("server_args", "port_args", "gpu_id", "tp_rank", "moe_ep_rank", "pp_rank", "attn_cp_rank",
+                   "moe_dp_rank", "dp_rank")
+
+
 def _attacher(settings: Any, version: str) -> Any:
     def after_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
-        attach(scheduler, settings, version)
+        given = {**dict(zip(INIT_PARAMETERS, args, strict=False)), **kwargs}
+        attach(scheduler, settings, version, {k: v for k, v in given.items() if k in ("tp_rank", "pp_rank", "dp_rank")})
 
     return after_init
 
@@ -66,14 +72,14 @@ def _attacher(settings: Any, version: str) -> Any:
 _LEDGER: list[Any] = []
 
 
-def attach(scheduler: Any, settings: Any, version: str) -> None:
+def attach(scheduler: Any, settings: Any, version: str, ranks: dict[str, Any] | None = None) -> None:
     """Give ``scheduler`` its ledger (or none, with the one log line saying why)."""
     setattr(scheduler, ATTRIBUTE, None)
     try:
         from kvledger_engine.sglang.internals import SchedulerView
         from kvledger_engine.sglang.ledger import SchedulerLedger
 
-        view = SchedulerView(scheduler, settings.tenant_mode)
+        view = SchedulerView(scheduler, settings.tenant_mode, ranks)
         if not view.serving_rank:
             return  # another tensor/pipeline rank of this data-parallel rank serves the same pages
         ledger = SchedulerLedger(view, settings, version)
@@ -89,14 +95,18 @@ def attach(scheduler: Any, settings: Any, version: str) -> None:
 def _after_step(result: Any, scheduler: Any, batch: Any = None, *args: Any, **kwargs: Any) -> None:
     ledger = getattr(scheduler, ATTRIBUTE, None)
     if ledger is not None:
-        ledger.after_step(batch if batch is not None else kwargs.get("batch"))
+        batch = batch if batch is not None else kwargs.get("batch")
+        ledger.after_step(() if batch is None else (batch,))
 
 
 def _after_looking(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
     ledger = getattr(scheduler, ATTRIBUTE, None)
     if ledger is not None:
-        batch = getattr(result, "batch_to_run", result)  # a plan on builds that return one
-        ledger.after_step(batch, idle=batch is None)
+        # 0.5.23 returns a plan: the batch to run and the running batch, which the scheduler
+        # takes as its own only after this hook; builds before it return the batch
+        batch = getattr(result, "batch_to_run", result)
+        running = getattr(result, "running_batch", None)
+        ledger.after_step(tuple(b for b in (batch, running) if b is not None), idle=batch is None)
 
 
 def _after_pause(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:

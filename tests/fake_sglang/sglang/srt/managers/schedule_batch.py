@@ -12,6 +12,22 @@ class SamplingParams:
     max_new_tokens: int
 
 
+@dataclass
+class ReqKvInfo:
+    """The KV a request holds (0.5.23 keeps it in ``req.kv``)."""
+
+    req_pool_idx: int | None = None  # its row of req_to_token: it holds KV
+    cache_protected_len: int = 0  # the radix cache owns [0, here)
+    kv_committed_len: int = 0  # computed up to here
+    kv_allocated_len: int = 0  # held in the pool up to here (its cached prefix included)
+
+
+@dataclass
+class NextBatchPlan:
+    batch_to_run: ScheduleBatch | None
+    running_batch: ScheduleBatch
+
+
 class Req:
     def __init__(self, rid: str, origin_input_ids: list[int], max_new_tokens: int, *, finish_at: int | None = None,
                  priority: int | None = None) -> None:
@@ -21,10 +37,7 @@ class Req:
         self.sampling_params = SamplingParams(max_new_tokens)
         self.priority = priority
         self.finish_at = max_new_tokens if finish_at is None else finish_at  # an EOS before the cap
-        self.req_pool_idx: int | None = None
-        self.kv_allocated_len = 0  # tokens it holds in the pool (its cached prefix included)
-        self.kv_committed_len = 0  # of those, computed
-        self.cache_protected_len = 0  # of those, in radix-cache nodes it locks
+        self.kv = ReqKvInfo()
         self.pages: list[int] = []  # its row of req_to_token, one entry per page
         self.locked: list[tuple[int, ...]] = []  # the radix nodes it locks
         self.is_retracted = False
@@ -44,7 +57,7 @@ class ScheduleBatch:
         self.scheduler = scheduler
         self.prefill = prefill
 
-    def retract_decode(self, server_args: Any) -> tuple[list[Req], float, list[Req]]:
+    def retract_decode(self) -> tuple[list[Req], float, list[Req]]:
         """Retract running requests (the last admitted first) until the others' next decode
         step fits; (retracted, the new token ratio, requests to abort)."""
         retracted = []

@@ -4,13 +4,14 @@ pages from the radix cache, a step that prefills the newly admitted requests or 
 decodes one token for every running request, decode retraction when a step cannot get its
 pages, finished requests' full pages cached. As in SGLang, a prefilled batch joins the
 running batch only when the scheduler next looks for work (``last_batch`` until then),
-and a finished request leaves the running batch then too (its pages freed already)."""
+and a finished request leaves the running batch then too (its pages freed already); the
+scheduler takes the plan's running batch only once ``get_next_batch_to_run`` returned."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.managers.schedule_batch import NextBatchPlan, Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.radix_cache import RadixCache
@@ -53,7 +54,6 @@ class Scheduler:
         self.running_batch = ScheduleBatch([], self)
         self.waiting_queue: list[Req] = []
         self.chunked_req: Req | None = None
-        self.cur_batch: ScheduleBatch | None = None
         self.last_batch: ScheduleBatch | None = None
         self.all_reqs: dict[str, Req] = {}  # every request ever added (the recount's list)
         self.max_running_requests = max_running_requests
@@ -79,27 +79,27 @@ class Scheduler:
         return (self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()) // self.page_size
 
     def decode_fits(self, reqs: list[Req]) -> bool:
-        return sum(1 for r in reqs if r.kv_allocated_len % self.page_size == 0) <= self._room()
+        return sum(1 for r in reqs if r.kv.kv_allocated_len % self.page_size == 0) <= self._room()
 
     def release(self, req: Req, *, retract: bool = False) -> None:
         """Give a request's pages back: its full pages to the radix cache when it finished,
         everything it does not share with the cache to the pool."""
-        tree = self.tree_cache
+        tree, kv = self.tree_cache, req.kv
         if not retract:
-            full = req.kv_committed_len // self.page_size
-            req.pages, duplicates = tree.insert(req.fill_ids[: req.kv_committed_len], req.pages, full)
+            full = kv.kv_committed_len // self.page_size
+            req.pages, duplicates = tree.insert(req.fill_ids[: kv.kv_committed_len], req.pages, full)
             self.token_to_kv_pool_allocator.free(duplicates)
             kept = full
         else:
             self.retracted_total += 1
-            self.retracted_tokens_total += req.kv_committed_len - req.cache_protected_len
+            self.retracted_tokens_total += kv.kv_committed_len - kv.cache_protected_len
             kept = len(req.locked)
             req.is_retracted = True
         tree.unlock(req.locked)
         self.token_to_kv_pool_allocator.free(req.pages[kept:])
         req.pages, req.locked = [], []
-        req.kv_allocated_len = req.kv_committed_len = req.cache_protected_len = 0
-        req.req_pool_idx = None
+        kv.kv_allocated_len = kv.kv_committed_len = kv.cache_protected_len = 0
+        kv.req_pool_idx = None
 
     # ------------------------------------------------------------ scheduling
     def add_request(self, req: Req) -> None:
@@ -110,59 +110,59 @@ class Scheduler:
         ratio = self.new_token_ratio_tracker.current
         return sum(min(r.sampling_params.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS) * ratio for r in reqs)
 
-    def _admit(self, req: Req, admitted: list[Req]) -> bool:
+    def _admit(self, req: Req, admitted: list[Req], running: ScheduleBatch) -> bool:
         tree, page = self.tree_cache, self.page_size
         tokens = req.fill_ids
         keys = tree.match_prefix(tokens)
         new_pages = _ceil(len(tokens), page) - len(keys)
         tree.lock(keys)
-        budget = self._room() * page - self._estimate(self.running_batch.reqs + admitted)
+        budget = self._room() * page - self._estimate(running.reqs + admitted)
         need = new_pages * page + self._estimate([req])
         pages = self._take(new_pages) if need <= budget else None
         if pages is None:
             tree.unlock(keys)
             return False
         req.pages = [tree.page(k) for k in keys] + pages
-        req.kv_allocated_len = req.kv_committed_len = len(tokens)  # prefilled by this step
-        req.req_pool_idx = id(req) % 100_000
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = len(tokens)  # prefilled by this step
+        req.kv.req_pool_idx = id(req) % 100_000
         full = len(tokens) // page
         req.pages, duplicates = tree.insert(tokens, req.pages, full)
         self.token_to_kv_pool_allocator.free(duplicates)
         fresh = tree._keys(tokens, full)[len(keys):]
         tree.lock(fresh)
         req.locked = keys + fresh
-        req.cache_protected_len = full * page
+        req.kv.cache_protected_len = full * page
         req.is_retracted = False
         return True
 
-    def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        running = self.running_batch
-        last = self.last_batch
-        if last is not None and last.prefill:  # the prefilled requests join the running batch
-            running.reqs.extend(r for r in last.reqs if r not in running.reqs)
-        running.reqs[:] = [r for r in running.reqs if not r.finished()]
-        self.last_batch = None
+    def get_next_batch_to_run(self, running_batch: ScheduleBatch, last_batch: ScheduleBatch | None) -> NextBatchPlan:
+        """As SGLang's: the prefilled batch merged into (a new) running batch, finished requests
+        filtered out; the scheduler takes the plan's running batch only once this returns."""
+        reqs = [r for r in running_batch.reqs if not r.finished()]
+        if last_batch is not None and last_batch.prefill:
+            reqs.extend(r for r in last_batch.reqs if not r.finished() and r not in reqs)
+        running = ScheduleBatch(reqs, self)
         admitted: list[Req] = []
         for req in list(self.waiting_queue):
-            if len(running.reqs) + len(admitted) >= self.max_running_requests or not self._admit(req, admitted):
+            if len(running.reqs) + len(admitted) >= self.max_running_requests or not self._admit(req, admitted, running):
                 break
             self.waiting_queue.remove(req)
             admitted.append(req)
         if admitted:
-            return ScheduleBatch(admitted, self, prefill=True)
+            return NextBatchPlan(ScheduleBatch(admitted, self, prefill=True), running)
         if not running.reqs:
-            return None
+            return NextBatchPlan(None, running)
         if not self.decode_fits(running.reqs):
-            retracted, ratio, _ = running.retract_decode(self.server_args)
+            retracted, ratio, _ = running.retract_decode()
             self.new_token_ratio_tracker.current = ratio
             self.waiting_queue[:0] = retracted
         for req in running.reqs:  # the next token's KV
-            if req.kv_allocated_len % self.page_size == 0:
+            if req.kv.kv_allocated_len % self.page_size == 0:
                 got = self._take(1)
                 assert got is not None, "retraction left no room"
                 req.pages.extend(got)
-            req.kv_allocated_len += 1
-        return running
+            req.kv.kv_allocated_len += 1
+        return NextBatchPlan(running, running)
 
     def run_batch(self, batch: ScheduleBatch) -> list[int]:
         self.forward_ct += 1
@@ -170,7 +170,7 @@ class Scheduler:
 
     def process_batch_result(self, batch: ScheduleBatch, result: list[int]) -> None:
         for req, token in zip(batch.reqs, result, strict=True):
-            req.kv_committed_len = req.kv_allocated_len
+            req.kv.kv_committed_len = req.kv.kv_allocated_len
             req.output_ids.append(token)
             if len(req.output_ids) >= req.finish_at:
                 self.release(req)
@@ -188,10 +188,10 @@ class Scheduler:
         """One turn of the event loop; False when there was nothing to run."""
         if self.paused:
             return False
-        batch = self.get_next_batch_to_run()
-        self.cur_batch = batch
-        if batch is None:
-            return False
-        self.process_batch_result(batch, self.run_batch(batch))
+        plan = self.get_next_batch_to_run(running_batch=self.running_batch, last_batch=self.last_batch)
+        self.running_batch = plan.running_batch
+        batch = plan.batch_to_run
+        if batch is not None:
+            self.process_batch_result(batch, self.run_batch(batch))
         self.last_batch = batch
-        return True
+        return batch is not None
