@@ -33,6 +33,8 @@ EXACT_POOL_TOKENS = 2048
 SESSION_PLUGINS: tuple[str, ...] = ()
 
 _servers: list[tuple[str, SglangServer]] = []
+#: lines for the summary's "real SGLang" section (measurements the tests made)
+SUMMARY: list[str] = []
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -43,11 +45,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if _servers:
+    if _servers or SUMMARY:
         terminalreporter.section("real SGLang")
         for name, server in _servers:
             starts = ", ".join(f"{s:.1f} s" for s in server.start_history)
             terminalreporter.write_line(f"{name}: server starts (to healthy): {starts}; log: {server.log_path}")
+        for line in SUMMARY:
+            terminalreporter.write_line(line)
 
 
 def start_shared(name: str, server: SglangServer) -> SglangServer:

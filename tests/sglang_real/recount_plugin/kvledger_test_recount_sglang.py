@@ -9,11 +9,13 @@ counted slot by slot from SGLang's own objects, independently of SGLang's gauges
 
 - ``free``: the distinct token slots in the allocator's free lists (``free_pages`` and
   ``release_pages``, times the page size when pages hold more than one token);
-- ``evictable`` / ``protected``: the distinct slots the radix tree's nodes hold, walked from
-  the root, split by the node's ``lock_ref`` (0: no request holds it);
 - ``request_slots``: the distinct slots in every live request's ``req_to_token`` row up to its
   ``kv_allocated_len`` (running batch, the last batch not yet merged, the chunked request and
   waiting requests that still hold a row);
+- ``evictable`` / ``protected``: the distinct slots the radix tree holds on the device (its
+  values, ``all_values_flatten()``: SGLang 0.5.23's default tree core is in Rust, its nodes are
+  not walkable from Python), split by whether a live request's row holds them (a request locks
+  the path of its cached prefix, which is the head of its row; nothing else locks a node here);
 - ``in_use``: the union of the request slots and the protected tree slots (what no eviction can
   take), and ``unaccounted``: slots in none of free, tree or requests (a leak; 0 expected);
 - ``running`` / ``waiting``, per-request rows, and the retractions seen by a hook on
@@ -73,23 +75,6 @@ def _slots(tensor: Any, page_size: int) -> set[int]:
     return {p * page_size + i for p in ids for i in range(page_size)}
 
 
-def _tree(root: Any) -> tuple[set[int], set[int], int]:
-    """(evictable slots, protected slots, nodes) of a radix tree walked from its root."""
-    evictable: set[int] = set()
-    protected: set[int] = set()
-    nodes = 0
-    stack = list(root.children.values())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children.values())
-        if node.value is None:  # evicted (HiCache: on the host only)
-            continue
-        nodes += 1
-        slots = {int(x) for x in node.value.tolist()}
-        (protected if node.lock_ref > 0 else evictable).update(slots)
-    return evictable, protected, nodes
-
-
 def _live_requests(scheduler: Any) -> tuple[list[Any], list[Any], list[Any]]:
     """(running, waiting, every request holding a req_to_token row), deduplicated."""
     running = [r for r in scheduler.running_batch.reqs if not r.finished()]
@@ -108,7 +93,8 @@ def recount(scheduler: Any) -> dict[str, Any]:
     page_size = int(getattr(allocator, "page_size", 1))
     capacity = int(scheduler.max_total_num_tokens)
     free = _slots(allocator.free_pages, page_size) | _slots(allocator.release_pages, page_size)
-    evictable, protected, nodes = _tree(scheduler.tree_cache.root_node)
+    tree_values = [int(x) for x in scheduler.tree_cache.all_values_flatten().tolist()]
+    tree = set(tree_values)
     req_to_token = scheduler.req_to_token_pool.req_to_token
     running, waiting, holders = _live_requests(scheduler)
     request_slots: set[int] = set()
@@ -125,9 +111,10 @@ def recount(scheduler: Any) -> dict[str, Any]:
             "allocated": int(kv.kv_allocated_len),
             "cache_protected": int(kv.cache_protected_len),
             "held": len(held),
-            "private": len(held - protected - evictable),
+            "private": len(held - tree),
         }
-    tree = evictable | protected
+    protected = tree & request_slots
+    evictable = tree - request_slots
     in_use = request_slots | protected
     every = set(range(1, capacity + 1))  # slot 0 is SGLang's padding slot, never allocated
     with _lock:
@@ -138,7 +125,7 @@ def recount(scheduler: Any) -> dict[str, Any]:
         "free": len(free),
         "evictable": len(evictable),
         "protected": len(protected),
-        "tree_nodes": nodes,
+        "tree_duplicates": len(tree_values) - len(tree),
         "request_slots": len(request_slots),
         "in_use": len(in_use),
         "unaccounted": len(every - free - tree - request_slots),
@@ -155,6 +142,12 @@ def recount(scheduler: Any) -> dict[str, Any]:
         "retractions": retractions,
         "paused": bool(getattr(scheduler, "_engine_paused", False)),
         "forward_ct_decode": int(getattr(scheduler.metrics_reporter, "forward_ct_decode", -1)),
+        # SGLang's own counters, for a diagnosis when the counts differ (the tests never compare with them)
+        "sglang_says": {
+            "available_size": int(allocator.available_size()),
+            "evictable_size": int(scheduler.tree_cache.evictable_size()),
+            "protected_size": int(scheduler.tree_cache.protected_size()),
+        },
     }
 
 

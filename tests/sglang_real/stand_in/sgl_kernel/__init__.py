@@ -52,7 +52,7 @@ def assign_req_to_token_pool_cpu(
     ends = end_offset.tolist()
     rows = req_pool_indices.tolist()
     at = 0
-    for row, start, end in zip(rows, starts, ends):
+    for row, start, end in zip(rows, starts, ends, strict=False):
         n = int(end) - int(start)
         if n <= 0:
             continue
