@@ -67,7 +67,8 @@ def rich_snapshot() -> Snapshot:
     g = EngineFacts(name="tgi", kind="tgi", source="tgi", admission="reserve-cap", pools=[tgi_pool],
                     budgets=Budgets(max_model_len=1024))
     gpu = GpuFacts(0, True, "GPU-1", "H200", False, 10**6, 5 * 10**5, 4 * 10**5, 10**5, [GpuProcess(42, 12345)])
-    health = [SourceHealth("sim", "ledger", True, None, 1.0, 0.01, {"timeout": 1}, document_age_seconds=0.25)]
+    health = [SourceHealth("sim", "ledger", True, None, 1.0, 0.01, {"timeout": 1}, document_age_seconds=0.25),
+              SourceHealth("sglang", "sglang", True, None, 1.0, 0.01, refresh_interval_steps=40)]
     # a hybrid model's pool shared by a sliding-window and a full-attention group (the vLLM ledger)
     hybrid_pool = PoolFacts(id="0", block_size=32, num_blocks=255, block_bytes=4096, in_use=12, reclaimable=3, free=240,
                             layer_groups=2, groups=(KvGroupFacts("0", "sliding_window", window=64, in_use=3),

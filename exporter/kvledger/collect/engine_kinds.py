@@ -27,11 +27,12 @@ if TYPE_CHECKING:
 class Option:
     """A configuration key only this kind accepts; the loader checks it by ``value``:
     ``address`` (tcp://, ipc://, http(s):// or unix:///absolute/path), ``path`` (a file),
-    ``boolean`` (true or false, kept as the text "true" or "false") or ``tokens`` (a whole
-    number of tokens, 1 .. 2**30, kept as its decimal text)."""
+    ``boolean`` (true or false, kept as the text "true" or "false"), ``tokens`` (a whole
+    number of tokens, 1 .. 2**30, kept as its decimal text) or ``steps`` (a whole number of
+    engine steps, 1 .. 2**30, kept as its decimal text)."""
 
     name: str
-    value: Literal["address", "path", "boolean", "tokens"]
+    value: Literal["address", "path", "boolean", "tokens", "steps"]
     help: str
 
 
@@ -103,7 +104,11 @@ register(EngineKind(
     source="kvledger.collect.sources.sglang.source:SglangSource",
     options=(
         Option("server_info_url", "address",
-               "GET /get_server_info, for page_size on builds whose /metrics has no sglang:page_size"),
+               "GET /server_info (older builds: /get_server_info), for page_size on builds whose /metrics has "
+               "no sglang:page_size and for --decode-log-interval (default: /server_info beside url)"),
+        Option("decode_log_interval", "steps",
+               "the server's --decode-log-interval, when /server_info cannot be read (SGLang refreshes its "
+               "KV gauges every this many decode steps)"),
         Option("ledger", "address", "the kvledger SGLang plugin's kvledger/v1 address (KVLEDGER_SGLANG_LEDGER; {dp_rank} per rank)"),
     ),
     admission="dynamic",  # SGLang allocates on demand and retracts (recomputes) under pressure

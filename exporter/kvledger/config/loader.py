@@ -270,6 +270,11 @@ def _tokens_text(value: Any) -> str:
     return str(_tokens(value))
 
 
+def _steps_text(value: Any) -> str:
+    """A kind's ``steps`` option, kept as the decimal text of a number of engine steps in 1 .. 2**30."""
+    return str(_pos_int(value, MAX_TOKENS))
+
+
 def _nonneg_number(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_SAFE_INT:
         raise ValueError(f"expected a finite non-negative number, got {_brief(value)}")
@@ -601,6 +606,7 @@ _OPTION_READERS: dict[str, Callable[[Any], str]] = {
     "path": _str,
     "boolean": _bool_text,
     "tokens": _tokens_text,
+    "steps": _steps_text,
 }
 
 

@@ -314,6 +314,9 @@ class SourceHealth:
     errors: dict[str, int] = field(default_factory=dict)  # cumulative, by reason class
     # a kvledger/v1 document's age at its latest read (published_at against the server's clock)
     document_age_seconds: float | None = None
+    # engine steps between the engine's own refreshes of the figures this source reads (SGLang's
+    # --decode-log-interval); None: every read is current, or unknown
+    refresh_interval_steps: int | None = None
 
 
 @dataclass(slots=True)

@@ -561,6 +561,13 @@ CATALOG: tuple[MetricSpec, ...] = (
                "document's published_at (the writer's clock). A document showing running requests that is older "
                f"than {MAX_DOCUMENT_AGE:g} s is not exact: its source is down with reason stale.",
                _health(lambda h: h.document_age_seconds)),
+    MetricSpec("kvledger_source_refresh_interval_steps", "gauge", "", "health", ("engine", "source"),
+               "Engine steps between the engine's own refreshes of the figures this source reads: SGLang "
+               "refreshes its KV and request gauges at prefill batches and every --decode-log-interval decode "
+               "steps (default 40), so the pool figures from its /metrics can lag the pool by up to this many "
+               "decode steps (running requests x steps tokens). 1: every step. Absent: every read is current, "
+               "or the interval is unknown.",
+               _health(lambda h: h.refresh_interval_steps)),
     MetricSpec("kvledger_source_errors_total", "counter", "", "health", ("engine", "source", "reason"),
                "Failed polls by reason.", _source_errors),
     MetricSpec("kvledger_kv_events_total", "counter", "", "health", ("engine", "type"),
