@@ -7,8 +7,10 @@ the radix cache for the next one):
 
 - ``sglang_server``: a tiny Llama, ``--decode-log-interval 1`` (the gauges follow every step:
   where exactness is checked), a pool of ``EXACT_POOL_TOKENS`` tokens, the test-only recount
-  plugin, plus the plugins named in ``SESSION_PLUGINS`` (the in-engine kvledger plugin's tests
-  share this server);
+  plugin, plus the plugins named in ``SESSION_PLUGINS``: kvledger's own SGLang plugin, run from
+  a per-checkout venv layered on the shared one (``server.kvledger_venv``), serving its ledger
+  at ``server.ledger_url`` (the in-engine plugin's tests share this server; the plugin only
+  reads the scheduler's state);
 - ``sglang_server_default_interval``: a tiny Qwen3 at SGLang's default decode-log interval (40
   steps), with the recount: where the lag of /metrics behind the allocator is measured.
 
@@ -17,20 +19,21 @@ Every test in this folder is marked ``sglang``. The summary lists each server's 
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from .server import SglangServer, ensure_sglang_env, free_tcp_port, make_tiny_model
+from .server import SglangServer, ensure_sglang_env, free_tcp_port, kvledger_venv, make_tiny_model
 
 HERE = Path(__file__).resolve().parent
 #: the session server's pool, in tokens (pages of one token): small enough that a burst of
 #: requests admitted on SGLang's estimate runs out and SGLang retracts
 EXACT_POOL_TOKENS = 2048
-#: plugins of the group sglang.srt.plugins the session server loads besides the recount
-#: (e.g. kvledger's SGLang plugin, once it is installed into the venv)
-SESSION_PLUGINS: tuple[str, ...] = ()
+#: plugins of the group sglang.srt.plugins the session server loads besides the recount:
+#: kvledger's SGLang plugin (engine/kvledger_engine/sglang)
+SESSION_PLUGINS: tuple[str, ...] = ("kvledger",)
 
 _servers: list[tuple[str, SglangServer]] = []
 #: lines for the summary's "real SGLang" section (measurements the tests made)
@@ -79,8 +82,11 @@ def tiny_qwen3_dir(sglang_env: None, tmp_path_factory: pytest.TempPathFactory) -
 @pytest.fixture(scope="session")
 def sglang_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangServer]:
     log = tmp_path_factory.mktemp("sglang-log") / "sglang-llama.log"
+    ledger = Path(tempfile.mkdtemp(prefix="kvl-sglang-", dir="/tmp")) / "ledger.sock"  # a short path (107 bytes)
     server = SglangServer(tiny_llama_dir, free_tcp_port(), max_total_tokens=EXACT_POOL_TOKENS,
-                          decode_log_interval=1, recount=True, plugins=SESSION_PLUGINS, log_path=log)
+                          decode_log_interval=1, recount=True, plugins=SESSION_PLUGINS, log_path=log,
+                          venv=kvledger_venv(), extra_env={"KVLEDGER_SGLANG_LEDGER": f"unix://{ledger}"})
+    server.ledger_url = f"unix://{ledger}"
     try:
         yield start_shared("llama, --decode-log-interval 1", server)
     finally:

@@ -33,6 +33,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -117,6 +118,31 @@ def make_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0) -> Path:
     subprocess.run([str(sglang_python()), str(MODEL_SCRIPT), str(out_dir), "--arch", arch, "--seed", str(seed)],
                    check=True, env=env, capture_output=True)
     return out_dir
+
+
+def kvledger_venv(repo_root: Path = REPO_ROOT) -> Path:
+    """The per-checkout venv kvledger's SGLang plugin runs in: ``<repo>/.cache/sglang-kvledger-venv``
+    (git-ignored), made from the shared SGLang venv's interpreter, with that venv's
+    site-packages under its own (a ``.pth``) and this checkout's ``kvledger-engine`` installed
+    in its own, from a wheel the shared venv's pip builds (so the shared venv never holds a
+    checkout's code; ci-speed's rule 2). Rebuilt at every call: a few seconds."""
+    base = sglang_venv()
+    venv = repo_root / ".cache" / "sglang-kvledger-venv"
+    shutil.rmtree(venv, ignore_errors=True)
+    subprocess.run([str(sglang_python()), "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    base_site = base / "lib" / site.parent.name / "site-packages"
+    if not site.is_dir() or not base_site.is_dir():  # the interpreters' versions differ: find the real folders
+        site = next((venv / "lib").glob("python3*/site-packages"))
+        base_site = next((base / "lib").glob("python3*/site-packages"))
+    (site / "_kvledger_sglang_base.pth").write_text(f"import site; site.addsitedir({str(base_site)!r})\n")
+    with tempfile.TemporaryDirectory() as wheels:
+        subprocess.run([str(sglang_python()), "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                        "-w", wheels, str(repo_root / "engine")], check=True, capture_output=True)
+        (wheel,) = Path(wheels).glob("kvledger_engine-*.whl")
+        subprocess.run([str(sglang_python()), "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
+                        "--quiet", "--no-deps", "--target", str(site), str(wheel)], check=True, capture_output=True)
+    return venv
 
 
 def free_tcp_port() -> int:
@@ -228,8 +254,13 @@ class SglangServer:
         log_path: str | os.PathLike[str] | None = None,
         startup_timeout: float = 600.0,
         host: str = "127.0.0.1",
+        venv: str | os.PathLike[str] | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
+        # the venv the server runs in: the shared SGLang venv, or a per-checkout one layered on
+        # it (kvledger_venv: this checkout's kvledger-engine beside SGLang)
+        self.venv = Path(venv) if venv is not None else None
+        self.ledger_url: str | None = None  # kvledger's plugin's address, when the server runs it
         self.port = port
         self.host = host
         self.max_total_tokens = max_total_tokens
@@ -272,7 +303,7 @@ class SglangServer:
     def command(self) -> list[str]:
         interval = () if self.decode_log_interval is None else ("--decode-log-interval", str(self.decode_log_interval))
         return [
-            str(sglang_python()), "-m", "sglang.launch_server",
+            str(self.venv / "bin" / "python" if self.venv is not None else sglang_python()), "-m", "sglang.launch_server",
             "--model-path", str(self.model_dir),
             "--host", self.host, "--port", str(self.port),
             *BASE_FLAGS,
