@@ -203,23 +203,19 @@ class SchedulerView:
                 yield req, "waiting"
 
     def row(self, req: Any, state: str) -> RequestRow:
-        kv = getattr(req, "kv", req)
-        held = int(kv.kv_allocated_len or 0) if state == "running" else 0
-        computed = int(kv.kv_committed_len or 0) if state == "running" else 0
+        if state == "running":
+            kv = getattr(req, "kv", req)
+            held, computed = kv.kv_allocated_len or 0, kv.kv_committed_len or 0
+            if computed > held:
+                computed = held
+        else:
+            held = computed = 0
         tenant = None
         if self.tenant_mode == "priority":
             priority = getattr(req, "priority", None)
             tenant = None if priority is None else str(priority)
-        return RequestRow(
-            id=str(req.rid),
-            state=state,
-            prompt_tokens=len(req.origin_input_ids),
-            max_output_tokens=int(req.sampling_params.max_new_tokens),
-            generated_tokens=len(req.output_ids),
-            computed_tokens=min(computed, held) if held else computed,
-            blocks_held=ceil_div(held, self.page_size),
-            tenant=tenant,
-        )
+        return RequestRow(str(req.rid), state, len(req.origin_input_ids), int(req.sampling_params.max_new_tokens),
+                          len(req.output_ids), int(computed), -(-int(held) // self.page_size), tenant)
 
     def new_token_ratio(self) -> float | None:
         s = self.scheduler

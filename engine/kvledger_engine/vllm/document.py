@@ -198,7 +198,7 @@ class LedgerDocument:
                     raise ValueError("the engine has not scheduled yet: no ledger to serve")
                 rows = list(self._rows.values())
                 summary, budgets, stats, published_at = self._summary, self._budgets, self._stats, self._published_at
-            columns = self._writer.columns([r.wire() for r in rows])
+            columns = self._writer.columns([r.wire() for r in rows], check=False)  # RequestRow: typed, complete
             head = self._document(summary, budgets, stats, published_at, ())
             head = head[: head.rindex(',"requests":[')]
             body = (head + ',"request_columns":' + _dumps(columns) + "}").encode()
