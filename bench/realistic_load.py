@@ -14,7 +14,7 @@ import json
 import random
 from typing import Any
 
-from kvledger_engine.vllm.document import int64le
+from kvledger_engine.request_wire import int64le
 
 STATES = ("running",) * 18 + ("waiting", "preempted")
 

@@ -59,7 +59,7 @@ ALLOWED: dict[str, set[str]] = {
     "kvledger": {"kvledger_engine"},  # the package face: the version is the engine-side library's; cli.py wires everything and is not ruled here
     "model": {"kvledger_engine"},  # facts and accounts: data
     "policy": {"model", "kvledger_engine"},  # pure formulas over facts
-    "protocol": {"model"},  # the wire format into facts
+    "protocol": {"model", "kvledger_engine"},  # the wire format into facts (the request definition and wire words from the engine side)
     "config": {"model"},  # the typed configuration, its loader and the engine kinds table (engine_kinds.py)
     # facts only, never the policy or outputs; collect: the folder it is part of (collect/memory.py
     # gives freed bodies back to the OS, and the registry takes each engine's configured facts from

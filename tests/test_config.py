@@ -157,6 +157,17 @@ def test_tokens_option_is_a_token_count(tmp_path: Path) -> None:
         load_config(_one_engine(tmp_path, "kind: sglang, block_size: 16"))
 
 
+def test_steps_option_is_a_step_count(tmp_path: Path) -> None:
+    """SGLang's --decode-log-interval, stated in the configuration (kvledger_source_refresh_interval_steps)."""
+    cfg = load_config(_one_engine(tmp_path, "kind: sglang, decode_log_interval: 40"))
+    assert cfg.engines[0].option("decode_log_interval") == "40"
+    for bad in ("0", "-1", "2.5", "'40'", "true"):
+        with pytest.raises(ConfigError, match=r"engines\[0\]\.decode_log_interval: expected a positive integer"):
+            load_config(_one_engine(tmp_path, f"kind: sglang, decode_log_interval: {bad}"))
+    with pytest.raises(ConfigError, match=r"decode_log_interval is for kind sglang only \(this engine is kind tgi\)"):
+        load_config(_one_engine(tmp_path, "kind: tgi, decode_log_interval: 40"))
+
+
 def test_a_key_of_another_kind_is_rejected_by_name(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"engines\[0\]: kv_events is for kind vllm only \(this engine is kind ledger\)"):
         load_config(_one_engine(tmp_path, "kind: ledger, kv_events: 'tcp://127.0.0.1:5557'"))

@@ -28,9 +28,12 @@ for name in names:
     importlib.import_module(name)
 third_party = sorted({n.split(".")[0] for n in set(sys.modules) - before} - set(sys.stdlib_module_names) - {"kvledger_engine"})
 eps = [(e.name, e.value) for e in m.entry_points(group="vllm.general_plugins")]
+sglang_eps = [(e.name, e.value) for e in m.entry_points(group="sglang.srt.plugins")]
 from kvledger_engine.vllm.plugin import register
 register()
-print(json.dumps({"modules": names, "third_party": third_party, "entry_points": eps,
+from kvledger_engine.sglang.plugin import register as register_sglang
+register_sglang()  # without KVLEDGER_SGLANG_LEDGER: returns at once (no SGLang here either)
+print(json.dumps({"modules": names, "third_party": third_party, "entry_points": eps, "sglang_entry_points": sglang_eps,
                   "requires": m.requires("kvledger-engine") or [], "daemon": "kvledger" in sys.modules}))
 """
 
@@ -53,9 +56,12 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_it_declares_no_dependency() -> None:
     project = tomllib.loads((ENGINE / "pyproject.toml").read_text())["project"]
     assert project["dependencies"] == []
-    daemon = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    # the daemon depends on it, at its own version
-    assert f"kvledger-engine=={project['version']}" in daemon["dependencies"]
+    # the version is written once, in kvledger_engine/__init__.py; the daemon depends on it at that version
+    assert project["dynamic"] == ["version"]
+    import importlib.metadata
+
+    import kvledger_engine
+    assert f"kvledger-engine=={kvledger_engine.__version__}" in (importlib.metadata.requires("kvledger") or [])
 
 
 def test_a_clean_venv_gets_only_the_library(wheel: Path, tmp_path: Path) -> None:
@@ -78,6 +84,8 @@ def test_a_clean_venv_gets_only_the_library(wheel: Path, tmp_path: Path) -> None
     assert {"kvledger_engine.reference_ledger", "kvledger_engine.document_server", "kvledger_engine.vllm.plugin",
             "kvledger_engine.vllm.tenant_header"} <= set(report["modules"])
     assert report["entry_points"] == [["kvledger", "kvledger_engine.vllm.plugin:register"]]
+    assert {"kvledger_engine.sglang.plugin", "kvledger_engine.sglang.ledger", "kvledger_engine.request_wire"} <= set(report["modules"])
+    assert report["sglang_entry_points"] == [["kvledger", "kvledger_engine.sglang.plugin:register"]]
 
 
 def test_the_reference_ledger_serves_a_document_in_the_clean_venv(wheel: Path, tmp_path: Path) -> None:

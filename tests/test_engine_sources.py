@@ -135,3 +135,96 @@ def test_sglang_reads_page_size_from_server_info_when_metrics_has_none() -> None
         engine.stop()
         info.shutdown()
         info.server_close()
+
+
+class _SglangWithInfo(http.server.BaseHTTPRequestHandler):
+    """SGLang's /metrics (the fake's capture) and /server_info on one origin, as a server has them."""
+
+    metrics = b""
+    info: bytes | None = b'{"decode_log_interval": 40, "page_size": 1}'
+    info_reads = 0
+
+    def do_GET(self) -> None:
+        if self.path == "/metrics":
+            status, body = 200, self.metrics
+        elif self.path == "/server_info" and self.info is not None:
+            type(self).info_reads += 1
+            status, body = 200, self.info
+        else:
+            status, body = 404, b"not found\n"
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def sglang_with_info() -> Iterator[str]:
+    fake = FakeEngine("sglang")
+    _SglangWithInfo.metrics = fake.body()
+    fake.stop()
+    _SglangWithInfo.info = b'{"decode_log_interval": 40, "page_size": 1}'
+    _SglangWithInfo.info_reads = 0
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SglangWithInfo)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_sglang_states_its_decode_log_interval_from_server_info_beside_metrics(sglang_with_info: str) -> None:
+    """SGLang's gauges lag by up to --decode-log-interval decode steps: the source reads the
+    interval from /server_info beside /metrics once (it passes through SGLang's scheduler),
+    again only after a failed poll."""
+    (source,) = engine_sources(EngineConfig(name="s", kind="sglang", url=sglang_with_info, timeout_seconds=2))
+    try:
+        for _ in range(3):
+            source.poll()
+        assert source.refresh_interval_steps() == 40 and _SglangWithInfo.info_reads == 1
+        _SglangWithInfo.info = b'{"decode_log_interval": 1}'
+        source.poll()
+        assert source.refresh_interval_steps() == 40  # not read at every poll
+        metrics, _SglangWithInfo.metrics = _SglangWithInfo.metrics, b"garbage{"
+        with pytest.raises(SourceError):
+            source.poll()
+        _SglangWithInfo.metrics = metrics
+        source.poll()  # the engine came back (perhaps restarted with other flags): read again
+        assert source.refresh_interval_steps() == 1 and _SglangWithInfo.info_reads == 2
+    finally:
+        source.close()
+
+
+@pytest.mark.parametrize("info", [None, b'{"decode_log_interval": "forty"}', b"[1, 2]", b'{"page_size": 1}'])
+def test_an_unknown_decode_log_interval_leaves_the_series_absent_and_the_poll_up(sglang_with_info: str, info: bytes | None) -> None:
+    _SglangWithInfo.info = info
+    (source,) = engine_sources(EngineConfig(name="s", kind="sglang", url=sglang_with_info, timeout_seconds=2))
+    try:
+        assert source.poll().facts.pools[0].in_use is not None  # type: ignore[attr-defined]
+        assert source.refresh_interval_steps() is None
+    finally:
+        source.close()
+
+
+def test_the_configured_decode_log_interval_wins_and_nothing_is_read(sglang_with_info: str) -> None:
+    cfg = EngineConfig(name="s", kind="sglang", url=sglang_with_info, timeout_seconds=2, options=(("decode_log_interval", "1"),))
+    (source,) = engine_sources(cfg)
+    try:
+        source.poll()
+        assert source.refresh_interval_steps() == 1 and _SglangWithInfo.info_reads == 0
+    finally:
+        source.close()
+
+
+def test_the_refresh_interval_is_exported_per_source(sglang_with_info: str) -> None:
+    from kvledger.collect.collector import Collector
+    from kvledger.output.prometheus import render_text
+
+    (source,) = engine_sources(EngineConfig(name="s", kind="sglang", url=sglang_with_info, timeout_seconds=2))
+    collector = Collector(sources=[source])
+    text = render_text(collector.poll_once()).decode()
+    assert 'kvledger_source_refresh_interval_steps{engine="s",source="sglang"} 40.0' in text

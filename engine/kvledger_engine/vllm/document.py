@@ -17,18 +17,16 @@ Standard library only: this module runs inside vLLM's EngineCore process.
 
 from __future__ import annotations
 
-import base64
 import json
-import sys
 import threading
 import time
-from array import array
 from dataclasses import dataclass
 from typing import Any
 
+from kvledger_engine.request_wire import RequestWriter
+from kvledger_engine.request_wire import int64le as int64le
 from kvledger_engine.vllm.tracker import PoolSummary
-
-SCHEMA_ID = "kvledger/v1"
+from kvledger_engine.wire_terms import SCHEMA_ID
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +41,14 @@ class RequestRow:
     computed_tokens: int
     blocks_held: int
     tenant: str | None = None
+
+    def wire(self) -> dict[str, Any]:
+        """The request's fields by their wire names (``request_wire.REQUEST_FIELDS``)."""
+        return {
+            "id": self.id, "state": self.state, "tenant": self.tenant, "prompt_tokens": self.prompt_tokens,
+            "max_output_tokens": self.max_output_tokens, "generated_tokens": self.generated_tokens,
+            "computed_tokens": self.computed_tokens, "blocks_held": self.blocks_held,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,16 +88,6 @@ def _dumps(value: object) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
-def int64le(values: list[int]) -> dict[str, str]:
-    """An integer column of the columnar form as machine integers (docs/ledger.md):
-    ``{"int64le": base64 of little-endian signed 64-bit integers}``: written and read
-    without one number's text per request."""
-    packed = array("q", values)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return {"int64le": base64.b64encode(packed.tobytes()).decode("ascii")}
-
-
 class LedgerDocument:
     """The kvledger/v1 document of one engine core (one data-parallel rank)."""
 
@@ -105,12 +101,16 @@ class LedgerDocument:
             "overflow": "preempt-recompute",
         }
         self._pool = pool
+        # every request of this core is in its one pool, bounded by its cap, one context
+        self._writer = RequestWriter({"pool": pool.id, "output_bound": "cap", "contexts": 1,
+                                      "speculative_slots": pool.speculative_slots})
         self._integration = dict(integration)
         self._rows: dict[str, RequestRow] = {}
         self._changed: set[str] = set()
         self._summary: PoolSummary | None = None
         self._budgets: dict[str, int] = {}
-        self._pool_counters: dict[str, int] = {}
+        self._pool_counters: dict[str, Any] = {}
+        self._counters: dict[str, int] = {}
         self._version = 0
         self._published_at: float | None = None
         self._stats: dict[str, Any] = {}
@@ -128,10 +128,14 @@ class LedgerDocument:
         rows: dict[str, RequestRow],
         gone: set[str],
         stats: dict[str, Any],
-        pool_counters: dict[str, int] | None = None,
+        pool_counters: dict[str, Any] | None = None,
+        counters: dict[str, int] | None = None,
     ) -> None:
+        """``pool_counters``: further keys of the pool (cumulative counts, the engine's own
+        estimate); ``counters``: the document's ``counters`` (COUNTER_NAMES)."""
         with self._lock:
             self._pool_counters = dict(pool_counters or {})
+            self._counters = dict(counters or {})
             self._rows.update(rows)
             for rid in gone:
                 self._rows.pop(rid, None)
@@ -194,22 +198,7 @@ class LedgerDocument:
                     raise ValueError("the engine has not scheduled yet: no ledger to serve")
                 rows = list(self._rows.values())
                 summary, budgets, stats, published_at = self._summary, self._budgets, self._stats, self._published_at
-            pool = self._pool
-            columns: dict[str, Any] = {
-                "id": [r.id for r in rows],
-                "pool": pool.id,  # one value for every request (the same for each row here)
-                "state": [r.state for r in rows],
-                "prompt_tokens": int64le([r.prompt_tokens for r in rows]),
-                "max_output_tokens": int64le([r.max_output_tokens for r in rows]),
-                "output_bound": "cap",
-                "generated_tokens": int64le([r.generated_tokens for r in rows]),
-                "computed_tokens": int64le([r.computed_tokens for r in rows]),
-                "contexts": 1,
-                "speculative_slots": pool.speculative_slots,
-                "blocks_held": int64le([r.blocks_held for r in rows]),
-            }
-            if any(r.tenant is not None for r in rows):
-                columns["tenant"] = [r.tenant for r in rows]
+            columns = self._writer.columns([r.wire() for r in rows], check=False)  # RequestRow: typed, complete
             head = self._document(summary, budgets, stats, published_at, ())
             head = head[: head.rindex(',"requests":[')]
             body = (head + ',"request_columns":' + _dumps(columns) + "}").encode()
@@ -218,15 +207,7 @@ class LedgerDocument:
             return body, f"v{version}"
 
     def _row_json(self, row: RequestRow) -> str:
-        pool = self._pool
-        tenant = "" if row.tenant is None else f',"tenant":{_dumps(row.tenant)}'
-        return (
-            f'{{"id":{_dumps(row.id)},"pool":{_dumps(pool.id)},"state":"{row.state}"{tenant},'
-            f'"prompt_tokens":{row.prompt_tokens},"max_output_tokens":{row.max_output_tokens},'
-            f'"output_bound":"cap","generated_tokens":{row.generated_tokens},'
-            f'"computed_tokens":{row.computed_tokens},"contexts":1,'
-            f'"speculative_slots":{pool.speculative_slots},"blocks_held":{row.blocks_held}}}'
-        )
+        return self._writer.row_json(row.wire())
 
     def _document(
         self,
@@ -255,5 +236,8 @@ class LedgerDocument:
         integration = dict(self._integration, published_at=published_at, **stats)
         # published_at: when the engine thread last published (a reader stops calling the figures
         # exact when it grows old while requests run: the scheduler hung, this thread answering)
-        head = _dumps(dict(self._head, published_at=published_at, budgets=budgets, pools=[pool_doc], integration=integration))
+        doc = dict(self._head, published_at=published_at, budgets=budgets, pools=[pool_doc], integration=integration)
+        if self._counters:
+            doc["counters"] = self._counters
+        head = _dumps(doc)
         return head[:-1] + ',"requests":[' + ",".join(fragments) + "]}"

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvledger_engine.vllm.document import GroupStatic, PoolStatic, RequestRow
+from kvledger_engine.wire_terms import CHUNKED_LOCAL_ATTENTION, FULL_ATTENTION, MAMBA, SLIDING_WINDOW
 
 logger = logging.getLogger("vllm.kvledger")
 
@@ -38,7 +39,7 @@ SUPPORTED_SERIES: tuple[str, ...] = ("0.32",)
 
 
 #: group kinds a one-group pool states without ``groups``
-_PLAIN_KINDS = ("full_attention", "sliding_window")
+_PLAIN_KINDS = (FULL_ATTENTION, SLIDING_WINDOW)
 
 
 class Unsupported(Exception):
@@ -167,7 +168,7 @@ class EngineView:
         block_size = block_sizes.pop()
         group_list = tuple(gs for _, gs in shapes)
         self.group_kinds = [gs.kind for gs in group_list]
-        sliding_window = group_list[0].window if len(group_list) == 1 and group_list[0].kind == "sliding_window" else None
+        sliding_window = group_list[0].window if len(group_list) == 1 and group_list[0].kind == SLIDING_WINDOW else None
         num_ids = int(_require(kv_config, "num_blocks"))
         if num_ids != len(self.blocks):
             raise Unsupported(f"the pool has {len(self.blocks)} blocks, the KV-cache config {num_ids}")
@@ -337,7 +338,7 @@ class EngineView:
                     if b is not null:
                         assign(b.block_id, g)
             seen[1] = len(blocks)
-            if self.group_kinds[g] == "full_attention":
+            if self.group_kinds[g] == FULL_ATTENTION:
                 held += len(blocks)
                 continue
             # window, chunk and state groups null the blocks they no longer need, from the
@@ -348,7 +349,7 @@ class EngineView:
             while start < end and blocks[start] is null:
                 start += 1
             seen[2] = start
-            if self.group_kinds[g] == "mamba":
+            if self.group_kinds[g] == MAMBA:
                 # a state group may null a block behind a later real one (vLLM frees the state
                 # of two steps ago): count the few entries past the prefix
                 held += sum(1 for b in blocks[start:] if b is not null)
@@ -418,9 +419,9 @@ def group_static(gid: str, spec: Any) -> tuple[int, GroupStatic]:
             state = 2 + extra + int(getattr(spec, "num_prefill_checkpoint_blocks", 0) or 0)
         else:
             state = 1 + extra
-        return block_size, GroupStatic(gid, "mamba", None, state)
-    for cls_name, kind, field in (("SlidingWindowSpec", "sliding_window", "sliding_window"),
-                                  ("ChunkedLocalAttentionSpec", "chunked_local_attention", "attention_chunk_size")):  # fmt: skip
+        return block_size, GroupStatic(gid, MAMBA, None, state)
+    for cls_name, kind, field in (("SlidingWindowSpec", SLIDING_WINDOW, "sliding_window"),
+                                  ("ChunkedLocalAttentionSpec", CHUNKED_LOCAL_ATTENTION, "attention_chunk_size")):  # fmt: skip
         cls = getattr(iface, cls_name, None)
         if cls is not None and isinstance(spec, cls):
             return block_size, GroupStatic(gid, kind, int(_require(spec, field)), None)
@@ -428,7 +429,7 @@ def group_static(gid: str, spec: Any) -> tuple[int, GroupStatic]:
     if full is not None and isinstance(spec, full):
         # a window recorded on a full-attention spec (the hybrid allocator off) still takes
         # a block for every token: full attention for the ledger
-        return block_size, GroupStatic(gid, "full_attention", None, None)
+        return block_size, GroupStatic(gid, FULL_ATTENTION, None, None)
     raise Unsupported(f"KV-cache group {gid} is a {name}: kvledger has no reservation formula for it")
 
 

@@ -33,7 +33,7 @@ class PoolSummary:
     reclaimable: int
     free: int
     references: int
-    shared: int
+    shared: int | None  # None: the engine does not say (written as null: unknown)
     # blocks in use per KV-cache group (index order) when several share the pool
     group_in_use: tuple[int, ...] = ()
 

@@ -293,6 +293,7 @@ class Collector:
                     r.message = None
                     r.health.last_success = self.clock()
                     r.health.document_age_seconds = r.source.document_age()
+                    r.health.refresh_interval_steps = r.source.refresh_interval_steps()
                 else:
                     self._mark_down(r, outcome.error.reason, outcome.error.message, outcome.unexpected)
             elif (force_timeouts or now - r.started > r.timeout) and not r.timed_out:

@@ -24,11 +24,12 @@ class Option:
     """A configuration key only this kind accepts; the loader checks it by ``value``:
     ``address`` (tcp://, ipc://, http(s):// or unix:///absolute/path), ``zmq`` (a ZMQ endpoint:
     tcp://HOST:PORT or ipc:///path), ``path`` (a file),
-    ``boolean`` (true or false, kept as the text "true" or "false") or ``tokens`` (a whole
-    number of tokens, 1 .. 2**30, kept as its decimal text)."""
+    ``boolean`` (true or false, kept as the text "true" or "false"), ``tokens`` (a whole
+    number of tokens, 1 .. 2**30, kept as its decimal text) or ``steps`` (a whole number of
+    engine steps, 1 .. 2**30, kept as its decimal text)."""
 
     name: str
-    value: Literal["address", "zmq", "path", "boolean", "tokens"]
+    value: Literal["address", "zmq", "path", "boolean", "tokens", "steps"]
     help: str
 
 
@@ -54,9 +55,14 @@ def register(kind: EngineKind) -> None:
     KINDS[kind.name] = kind
 
 
-def kind_specific_keys() -> dict[str, str]:
-    """Each kind-specific configuration key and the kind that owns it."""
-    return {o.name: kind.name for kind in KINDS.values() for o in kind.options}
+def kind_specific_keys() -> dict[str, tuple[str, ...]]:
+    """Each kind-specific configuration key and the kinds that accept it (``ledger``: the
+    kinds with an in-engine plugin)."""
+    owners: dict[str, tuple[str, ...]] = {}
+    for kind in KINDS.values():
+        for o in kind.options:
+            owners[o.name] = (*owners.get(o.name, ()), kind.name)
+    return owners
 
 
 register(EngineKind(
@@ -86,12 +92,18 @@ register(EngineKind(
     name="sglang",
     options=(
         Option("server_info_url", "address",
-               "GET /get_server_info, for page_size on builds whose /metrics has no sglang:page_size"),
+               "GET /server_info (older builds: /get_server_info), for page_size on builds whose /metrics has "
+               "no sglang:page_size and for --decode-log-interval (default: /server_info beside url)"),
+        Option("decode_log_interval", "steps",
+               "the server's --decode-log-interval, when /server_info cannot be read (SGLang refreshes its "
+               "KV gauges every this many decode steps)"),
+        Option("ledger", "address", "the kvledger SGLang plugin's kvledger/v1 address (KVLEDGER_SGLANG_LEDGER; {dp_rank} per rank)"),
     ),
     admission="dynamic",  # SGLang allocates on demand and retracts (recomputes) under pressure
     overflow="preempt-recompute",
     docs="docs/engines/sglang.md",
-    summary="SGLang's /metrics (--enable-metrics): KV tokens in pages, sliding-window and mamba pools apart",
+    summary="SGLang's /metrics (--enable-metrics): KV tokens in pages, sliding-window and mamba pools apart; "
+            "with the plugin's ledger, exact",
 ))
 
 register(EngineKind(

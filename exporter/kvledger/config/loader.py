@@ -272,6 +272,11 @@ def _tokens_text(value: Any) -> str:
     return str(_tokens(value))
 
 
+def _steps_text(value: Any) -> str:
+    """A kind's ``steps`` option, kept as the decimal text of a number of engine steps in 1 .. 2**30."""
+    return str(_pos_int(value, MAX_TOKENS))
+
+
 def _nonneg_number(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_SAFE_INT:
         raise ValueError(f"expected a finite non-negative number, got {_brief(value)}")
@@ -468,9 +473,10 @@ def _engine(r: MappingReader, names: set[str]) -> EngineConfig:
     names.add(name)
     kind = r.require("kind", _engine_kind)
     owners = kind_specific_keys()
-    foreign = sorted(k for k in map(str, r.data) if owners.get(k, kind) != kind)
+    foreign = sorted(k for k in map(str, r.data) if kind not in owners.get(k, (kind,)))
     if foreign:
-        raise r.error(", ".join(f"{k} is for kind {owners[k]} only" for k in foreign) + f" (this engine is kind {kind})")
+        raise r.error(", ".join(f"{k} is for kind {' or '.join(owners[k])} only" for k in foreign)
+                      + f" (this engine is kind {kind})")
     url = r.require("url", _url)
     authorization, basic_auth, tls_config = _client_auth(r, url)
     model = None
@@ -637,6 +643,7 @@ _OPTION_READERS: dict[str, Callable[[Any], str]] = {
     "path": _str,
     "boolean": _bool_text,
     "tokens": _tokens_text,
+    "steps": _steps_text,
 }
 
 

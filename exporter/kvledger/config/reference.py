@@ -194,7 +194,8 @@ def rows(kinds: Mapping[str, Any] | None = None) -> list[Row]:
     the registrations of kvledger.config.engine_kinds, given by the caller)."""
     out = list(_walk(model.Config, "", False))
     option_types = {"address": "URL", "zmq": "ZMQ endpoint (`tcp://HOST:PORT`, `ipc:///path`)", "path": "file path",
-                    "boolean": "`true` \\| `false`", "tokens": "integer (tokens)"}
+                    "boolean": "`true` \\| `false`", "tokens": "integer (tokens)",
+                    "steps": "integer (engine steps)"}
     owners: dict[str, list[str]] = {}
     first: dict[str, Any] = {}
     for kind in (kinds or {}).values():

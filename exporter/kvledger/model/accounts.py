@@ -55,6 +55,10 @@ class PoolAccount:
     physical_headroom_blocks: Measure | None = None
     admission_headroom_requests: Measure | None = None
     engine_reported_used_blocks: float | None = None
+    # the engine's own admission estimate (SGLang's new_token_ratio x remaining output), in
+    # tokens, and its ratio: beside the declared policy's figures, never in them
+    engine_admission_estimate_tokens: float | None = None
+    engine_new_token_ratio: float | None = None
     # in_use / capacity and reserved / capacity: one basis-consistent usage gauge per kind
     physical_utilization: Measure | None = None
     quota_utilization: Measure | None = None

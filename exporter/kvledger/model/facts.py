@@ -19,10 +19,22 @@ from kvledger_engine.wire_terms import (
     BUDGET_CATEGORIES as BUDGET_CATEGORIES,
 )
 from kvledger_engine.wire_terms import (
+    CHUNKED_LOCAL_ATTENTION as CHUNKED_LOCAL_ATTENTION,
+)
+from kvledger_engine.wire_terms import (
     COUNTER_NAMES as COUNTER_NAMES,
 )
 from kvledger_engine.wire_terms import (
+    FULL_ATTENTION as FULL_ATTENTION,
+)
+from kvledger_engine.wire_terms import (
+    GROUP_KINDS as GROUP_KINDS,
+)
+from kvledger_engine.wire_terms import (
     LIMIT_KINDS as LIMIT_KINDS,
+)
+from kvledger_engine.wire_terms import (
+    MAMBA as MAMBA,
 )
 from kvledger_engine.wire_terms import (
     OUTPUT_BOUNDS as OUTPUT_BOUNDS,
@@ -34,7 +46,13 @@ from kvledger_engine.wire_terms import (
     REQUEST_STATES as REQUEST_STATES,
 )
 from kvledger_engine.wire_terms import (
+    SLIDING_WINDOW as SLIDING_WINDOW,
+)
+from kvledger_engine.wire_terms import (
     TERM_SOURCES as TERM_SOURCES,
+)
+from kvledger_engine.wire_terms import (
+    WINDOW_GROUP_KINDS as WINDOW_GROUP_KINDS,
 )
 from kvledger_engine.wire_terms import (
     Admission as Admission,
@@ -73,10 +91,6 @@ class BlockRef:
     cached: bool
 
 
-#: the layer types of a KV-cache group sharing a pool (vLLM's KV-cache specs, by what they hold)
-GROUP_KINDS: tuple[str, ...] = ("full_attention", "sliding_window", "chunked_local_attention", "mamba")
-#: the group kinds that hold a span of tokens (``KvGroupFacts.window``) rather than every block
-WINDOW_GROUP_KINDS: tuple[str, ...] = ("sliding_window", "chunked_local_attention")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +108,16 @@ class KvGroupFacts:
     window: int | None = None
     state_blocks: int | None = None
     in_use: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionEstimate:
+    """The engine's own bet on what its running requests will still take (SGLang admits
+    against ``new_token_ratio`` x each running request's remaining output, that remainder
+    clipped at ``output_clip`` tokens): stated beside the declared policy, never in it."""
+
+    new_token_ratio: float
+    output_clip: int
 
 
 @dataclass(slots=True)
@@ -136,6 +160,8 @@ class PoolFacts:
     # Computed tokens the engine threw away by preempting requests of this pool (cumulative:
     # they must be recomputed); None: unknown.
     preempted_tokens: int | None = None
+    # The engine's admission estimate (SGLang's new_token_ratio), when it states one.
+    admission_estimate: AdmissionEstimate | None = None
     # Number of layer groups sharing this pool (hybrid models); token capacity = C // groups * B.
     layer_groups: int = 1
     # The KV-cache groups sharing this pool, when the engine states them (hybrid models):
@@ -288,6 +314,9 @@ class SourceHealth:
     errors: dict[str, int] = field(default_factory=dict)  # cumulative, by reason class
     # a kvledger/v1 document's age at its latest read (published_at against the server's clock)
     document_age_seconds: float | None = None
+    # engine steps between the engine's own refreshes of the figures this source reads (SGLang's
+    # --decode-log-interval); None: every read is current, or unknown
+    refresh_interval_steps: int | None = None
 
 
 @dataclass(slots=True)

@@ -55,10 +55,13 @@ Two more bounds on what an engine sends:
 
 from __future__ import annotations
 
-MAX_SAFE_INT = 2**53 - 1
-MAX_TOKENS = 2**30
-MAX_BLOCKS = 2**32
-MAX_CONTEXTS = 1024
+# the ranges of the wire's numbers are the engine-side library's (writers check against them too)
+from kvledger_engine.wire_terms import MAX_BLOCKS as MAX_BLOCKS
+from kvledger_engine.wire_terms import MAX_CONTEXTS as MAX_CONTEXTS
+from kvledger_engine.wire_terms import MAX_SAFE_INT as MAX_SAFE_INT
+from kvledger_engine.wire_terms import MAX_TOKENS as MAX_TOKENS
+from kvledger_engine.wire_terms import REQUEST_INT_RANGES as REQUEST_INT_RANGES
+
 MAX_LAYER_GROUPS = 1024
 #: KV-cache groups one pool states (vLLM's hybrid models have a handful)
 MAX_KV_GROUPS = 64
@@ -78,16 +81,3 @@ RATIO_TOLERANCE = 2.0**-40
 MAX_TEXT_LINES = 50_000
 #: seconds a document showing running requests may go unpublished and still be exact (module doc)
 MAX_DOCUMENT_AGE = 30.0
-
-
-#: the integer fields of a request (kvledger/v1 ``requests[]`` and ``request_columns``):
-#: name -> (minimum, maximum); ``prompt_tokens`` and ``max_output_tokens`` are required
-REQUEST_INT_RANGES: dict[str, tuple[int, int]] = {
-    "prompt_tokens": (0, MAX_TOKENS),
-    "max_output_tokens": (0, MAX_TOKENS),
-    "generated_tokens": (0, MAX_TOKENS),
-    "computed_tokens": (0, MAX_TOKENS),
-    "contexts": (1, MAX_CONTEXTS),
-    "speculative_slots": (0, MAX_TOKENS),
-    "blocks_held": (0, MAX_BLOCKS),
-}

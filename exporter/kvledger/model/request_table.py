@@ -37,7 +37,7 @@ class RequestTable(Sequence[RequestFacts]):
     """Requests as columns. ``ints`` maps each name of ``INT_COLUMNS`` to a list of ints;
     ``block_ids`` is None when no request lists its blocks."""
 
-    __slots__ = ("_arrays", "_ints", "block_ids", "ids", "output_bounds", "pools", "states", "tenants")
+    __slots__ = ("_arrays", "_ints", "_names", "block_ids", "ids", "output_bounds", "pools", "states", "tenants")
 
     def __init__(
         self,
@@ -53,7 +53,7 @@ class RequestTable(Sequence[RequestFacts]):
         n = len(ids)
         arrays = dict(arrays or {})
         columns: tuple[Any, ...] = (states, pools, tenants, output_bounds, *ints.values(), *arrays.values())
-        if not all(len(c) == n for c in columns) or set(ints) | set(arrays) != set(INT_NAMES):
+        if not all(len(c) == n for c in columns) or not set(INT_NAMES) <= set(ints) | set(arrays):
             raise ValueError("request columns differ in length or lack a column")
         if block_ids is not None and len(block_ids) != n:
             raise ValueError("request columns differ in length")
@@ -65,12 +65,15 @@ class RequestTable(Sequence[RequestFacts]):
         self._ints = dict(ints)  # a column given only as an array is listed when first asked for
         self.block_ids = block_ids
         self._arrays: dict[str, np.ndarray] = arrays
+        # the numeric columns: INT_COLUMNS', then any other integer field the wire defines
+        # (a field the policy does not read yet rides along, readable by ``column``)
+        self._names = (*INT_NAMES, *(name for name in (*ints, *arrays) if name not in INT_NAMES))
 
     @property
     def ints(self) -> dict[str, list[int]]:
         """Every numeric column as a list of ints."""
-        if len(self._ints) < len(INT_NAMES):
-            for name in INT_NAMES:
+        if len(self._ints) < len(self._names):
+            for name in self._names:
                 if name not in self._ints:
                     self._ints[name] = [int(v) for v in self._arrays[name].tolist()]
         return self._ints

@@ -514,6 +514,16 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("kvledger_engine_reported_kv_used_blocks", "gauge", "blocks", "kv", EP,
                "The engine's own claim of used KV blocks, for consistency checks against unique in-use blocks.",
                _pool_value(lambda p: p.engine_reported_used_blocks)),
+    MetricSpec("kvledger_engine_admission_estimate_tokens", "gauge", "tokens", "kv", EP,
+               "The engine's own bet on the tokens its running requests will still add, which it admits against "
+               "(SGLang: new_token_ratio x each running request's remaining output, clipped): a separate figure "
+               "from the declared policy's reservation (kvledger_kv_reserved_bytes counts every cap), never mixed "
+               "into it. From the SGLang plugin; absent elsewhere.", _pool_value(lambda p: p.engine_admission_estimate_tokens)),
+    MetricSpec("kvledger_engine_new_token_ratio", "gauge", "ratio", "kv", EP,
+               "The share of each running request's remaining output the engine expects it to use (SGLang's "
+               "new_token_ratio: it decays while no request is retracted, and jumps back after a retraction). From "
+               "the SGLang plugin; absent elsewhere.",
+               _pool_value(lambda p: p.engine_new_token_ratio)),
     # Scheduler
     MetricSpec("kvledger_requests", "gauge", "requests", "scheduler", ("engine", "state"),
                "Requests by state: running, waiting (not admitted), preempted (admitted, holding a reservation).",
@@ -651,6 +661,13 @@ CATALOG: tuple[MetricSpec, ...] = (
                "document's published_at (the writer's clock). A document showing running requests that is older "
                f"than {MAX_DOCUMENT_AGE:g} s is not exact: its source is down with reason stale.",
                _health(lambda h: h.document_age_seconds)),
+    MetricSpec("kvledger_source_refresh_interval_steps", "gauge", "", "health", ("engine", "source"),
+               "Engine steps between the engine's own refreshes of the figures this source reads: SGLang "
+               "refreshes its KV and request gauges at prefill batches and every --decode-log-interval decode "
+               "steps (default 40), so the pool figures from its /metrics can lag the pool by up to this many "
+               "decode steps (running requests x steps tokens). 1: every step. Absent: every read is current, "
+               "or the interval is unknown.",
+               _health(lambda h: h.refresh_interval_steps)),
     MetricSpec("kvledger_source_errors_total", "counter", "", "health", ("engine", "source", "reason"),
                "Failed polls by reason.", _source_errors),
     MetricSpec("kvledger_kv_events_total", "counter", "", "health", ("engine", "type"),

@@ -30,7 +30,14 @@ from kvledger.policy.invariants import (
     invariant_violations,
 )
 from kvledger.policy.physical import physical_state
-from kvledger.policy.reservations import RequestColumns, _split_by_pool, cap_blocks, group_cap_blocks, request_columns
+from kvledger.policy.reservations import (
+    RequestColumns,
+    _split_by_pool,
+    admission_estimate_tokens,
+    cap_blocks,
+    group_cap_blocks,
+    request_columns,
+)
 from kvledger.policy.saturation import binding_constraint, sequences_ratio, token_budget_ratio
 
 
@@ -63,6 +70,9 @@ def pool_account(engine: EngineFacts, pool: PoolFacts, cols: RequestColumns | No
         }
         running = int(cols.running.sum())
         computed = int(cols.computed[cols.running].sum())
+        if pool.admission_estimate is not None:
+            acc.engine_new_token_ratio = pool.admission_estimate.new_token_ratio
+            acc.engine_admission_estimate_tokens = admission_estimate_tokens(pool.admission_estimate, cols)
         if sharing == "reference-aware":
             # blocks already resident counted once, plus each request's pending growth
             if in_use is not None:

@@ -11,6 +11,9 @@ from typing import Any
 import numpy as np
 
 from kvledger.model.facts import (
+    MAMBA,
+    WINDOW_GROUP_KINDS,
+    AdmissionEstimate,
     KvGroupFacts,
     PoolFacts,
     RequestFacts,
@@ -101,9 +104,9 @@ def group_shape(group: KvGroupFacts) -> GroupShape:
     """The shape of one stated KV-cache group: a sliding window or a local-attention chunk
     holds at most the blocks its span covers (a chunk of C tokens never needs more than a
     window of C), a state group its state blocks per context, full attention every block."""
-    if group.kind == "mamba":
+    if group.kind == MAMBA:
         return GroupShape(None, 1, state_blocks=group.state_blocks or 1)
-    if group.kind in ("sliding_window", "chunked_local_attention"):
+    if group.kind in WINDOW_GROUP_KINDS:
         return GroupShape(group.window, 1)
     return GroupShape(None, 1)
 
@@ -232,3 +235,13 @@ def request_columns(requests: Sequence[RequestFacts], pool: PoolFacts, max_model
         group_reservations=groups,
         out_of_range=out_of_range,
     )
+
+
+def admission_estimate_tokens(estimate: AdmissionEstimate, cols: RequestColumns) -> float:
+    """The engine's own admission estimate (SGLang's ``PrefillAdder``): ``new_token_ratio``
+    x the running requests' remaining output (cap less output so far), each remainder
+    clipped at ``output_clip`` tokens. A figure beside the declared policy, never in it:
+    the policy counts every admitted request at its cap."""
+    t = cols.table
+    remaining = np.maximum(0, t.column("max_output_tokens") - t.column("generated_tokens"))[cols.running]
+    return float(estimate.new_token_ratio * int(np.minimum(remaining, estimate.output_clip).sum()))

@@ -56,9 +56,11 @@ from kvledger.model.facts import (
     COUNTER_NAMES,
     GROUP_KINDS,
     LIMIT_KINDS,
+    MAMBA,
     OVERFLOWS,
     TERM_SOURCES,
     WINDOW_GROUP_KINDS,
+    AdmissionEstimate,
     Budgets,
     EngineFacts,
     HostFacts,
@@ -318,6 +320,7 @@ def _pool(raw: object, path: str) -> PoolFacts:
         cached_blocks=_opt(p, "cached_blocks", path, _int, 0, MAX_BLOCKS),
         engine_reported_used_blocks=_opt(p, "engine_reported_used_blocks", path, _number),
         preempted_tokens=_opt(p, "preempted_tokens", path, _int),
+        admission_estimate=_admission_estimate(p.get("admission_estimate"), f"{path}.admission_estimate"),
         layer_groups=1 if layer_groups is None else layer_groups,
         groups=groups,
     )
@@ -337,6 +340,17 @@ def _pool(raw: object, path: str) -> PoolFacts:
     return out
 
 
+
+
+def _admission_estimate(raw: object, path: str) -> AdmissionEstimate | None:
+    """A pool's ``admission_estimate`` (the engine's own bet, SGLang's ``new_token_ratio``)."""
+    if raw is None:
+        return None
+    e = _obj(raw, path)
+    ratio = _req(e, "new_token_ratio", path, _number)
+    if ratio > 1:  # SGLang clamps it to 1: the estimate never exceeds the caps
+        raise ProtocolError(f"{path}.new_token_ratio", f"must be <= 1, got {_show(ratio)}")
+    return AdmissionEstimate(new_token_ratio=float(ratio), output_clip=_req(e, "output_clip", path, _int, 1, MAX_TOKENS))
 
 
 def _groups(raw: object, path: str) -> tuple[KvGroupFacts, ...]:
@@ -368,7 +382,7 @@ def _groups(raw: object, path: str) -> tuple[KvGroupFacts, ...]:
                 id=gid,
                 kind=kind,
                 window=window if kind in WINDOW_GROUP_KINDS else None,
-                state_blocks=(state_blocks or 1) if kind == "mamba" else None,
+                state_blocks=(state_blocks or 1) if kind == MAMBA else None,
                 in_use=_opt(g, "in_use", where, _int, 0, MAX_BLOCKS),
             )
         )

@@ -110,6 +110,11 @@ class Source(ABC):
         """The age of the kvledger/v1 document this source read last (None: it reads none)."""
         return None
 
+    def refresh_interval_steps(self) -> int | None:
+        """Engine steps between the engine's own refreshes of what this source reads (None:
+        each read is current, or the interval is unknown)."""
+        return None
+
     def subsource_health(self) -> list[SubsourceReport]:
         """The parts this source runs itself, each with its health (none by default)."""
         return []

@@ -39,7 +39,7 @@ from kvledger.collect.sources.vllm.events_subscriber import KvEventSubscriber
 from kvledger.collect.sources.vllm.metrics import vllm_facts_from_metrics
 from kvledger.collect.sources.vllm.startup_log import VllmLogReader, memory_terms
 from kvledger.config.model import EngineConfig
-from kvledger.model.facts import EngineFacts, KvGroupFacts, PoolFacts
+from kvledger.model.facts import FULL_ATTENTION, MAMBA, SLIDING_WINDOW, EngineFacts, KvGroupFacts, PoolFacts
 
 #: with a ledger, /metrics and the ledger each get the engine's timeout less this (at most
 #: half of it): the collector's deadline for the whole poll is that timeout, and merging the
@@ -249,9 +249,9 @@ def _with_event_groups(pool: PoolFacts, seen: dict[int, tuple[str | None, int | 
     for idx in range(max(seen) + 1):
         kind, window = seen.get(idx, (None, None))
         if kind in ("sliding_window", "sliding_window_mla") and window is not None:
-            groups.append(KvGroupFacts(str(idx), "sliding_window", window=window))
+            groups.append(KvGroupFacts(str(idx), SLIDING_WINDOW, window=window))
         elif kind == "mamba":
-            groups.append(KvGroupFacts(str(idx), "mamba", state_blocks=STOCK_STATE_BLOCKS))
+            groups.append(KvGroupFacts(str(idx), MAMBA, state_blocks=STOCK_STATE_BLOCKS))
         else:
-            groups.append(KvGroupFacts(str(idx), "full_attention"))
+            groups.append(KvGroupFacts(str(idx), FULL_ATTENTION))
     return dataclasses.replace(pool, groups=tuple(groups), layer_groups=max(pool.layer_groups, len(groups)))

@@ -1,0 +1,1 @@
+"""The fake SGLang (tests/fake_sglang/__init__.py)."""

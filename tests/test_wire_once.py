@@ -1,0 +1,141 @@
+"""The wire once (issue 29, point 1): every word of kvledger/v1 is the engine-side
+library's, and one writer, built from the one request definition, writes every producer's
+requests.
+
+- A new request field is one entry: the test copies the engine-side distribution, adds one
+  line to ``request_wire.REQUEST_FIELDS`` and, in a fresh interpreter, shows that the
+  writer writes it in both forms and that both of the daemon's readers (the typed decoder
+  and the checked reader) read it and name it when its value is wrong, with nothing else
+  changed.
+- Every producer in the engine-side distribution writes its requests through
+  ``RequestWriter`` (no second encoder); the daemon's wire words are the engine side's
+  objects, and the published schema spells the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvledger.protocol import wire
+from kvledger_engine.request_wire import REQUEST_FIELDS, RequestWriter
+from kvledger_engine.wire_terms import ADMISSIONS, GROUP_KINDS, OVERFLOWS, WINDOW_GROUP_KINDS
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE = ROOT / "engine" / "kvledger_engine"
+
+_ONE_ENTRY = '    count_field("draft_tokens", default=0, ranges={"draft_tokens": (0, 64)}),\n'
+
+_PROBE = textwrap.dedent('''
+    import json
+    from kvledger_engine import request_wire
+    from kvledger_engine.request_wire import RequestWriter
+    from kvledger.protocol import fast_decoder, reader, wire
+
+    assert "draft_tokens" in wire.FIELDS, "the daemon's definition is the engine's"
+    writer = RequestWriter({"pool": "0"})
+    requests = [{"id": "a", "state": "running", "prompt_tokens": 10, "max_output_tokens": 5, "draft_tokens": 7},
+                {"id": "b", "state": "waiting", "prompt_tokens": 3, "max_output_tokens": 2, "draft_tokens": 0}]
+
+    def document(key, value):
+        return {"schema": "kvledger/v1", "engine": {"kind": "probe"},
+                "pools": [{"id": "0", "block_size": 16, "block_bytes": 1024, "num_blocks": 100}], key: value}
+
+    out = {"row": json.loads(writer.row_json(requests[0])), "columns": writer.columns(requests)}
+    for key, value in (("requests", [json.loads(writer.row_json(r)) for r in requests]),
+                       ("request_columns", writer.columns(requests))):
+        body = json.dumps(document(key, value))
+        typed = reader.typed_facts(body, "e")
+        assert typed is not None, key + ": the typed decoder refused it"
+        checked = reader.facts_from_document(json.loads(body), "e")
+        out[key] = [typed.requests.column("draft_tokens").tolist(), checked.requests.column("draft_tokens").tolist()]
+    bad = document("requests", [dict(json.loads(writer.row_json(requests[0])), draft_tokens=65)])
+    assert reader.typed_facts(json.dumps(bad), "e") is None
+    try:
+        reader.facts_from_document(bad, "e")
+    except reader.ProtocolError as exc:
+        out["error"] = str(exc)
+    print(json.dumps(out))
+''')
+
+
+def test_a_new_request_field_is_one_entry(tmp_path: Path) -> None:
+    copy = tmp_path / "kvledger_engine"
+    shutil.copytree(ENGINE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    source = (copy / "request_wire.py").read_text()
+    anchor = '    Field("block_ids", "integers"'
+    assert source.count(anchor) == 1
+    (copy / "request_wire.py").write_text(source.replace(anchor, _ONE_ENTRY + anchor))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT / "exporter")]))
+    done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["row"]["draft_tokens"] == 7
+    assert "draft_tokens" in out["columns"]
+    assert out["requests"] == [[7, 0], [7, 0]]
+    assert out["request_columns"] == [[7, 0], [7, 0]]
+    assert out["error"].startswith("requests[0].draft_tokens:"), out["error"]
+
+
+def test_the_daemon_reads_the_engines_definition() -> None:
+    assert wire.REQUEST_FIELDS is REQUEST_FIELDS
+
+
+def test_the_daemon_takes_every_wire_word_from_the_engine_side() -> None:
+    """Request fields, group kinds, admission and overflow modes, states, output bounds,
+    counters and the request ranges: the daemon's names are the engine-side objects."""
+    from kvledger.model import facts, limits
+    from kvledger_engine import wire_terms
+
+    for name in ("ADMISSIONS", "OVERFLOWS", "REQUEST_STATES", "OUTPUT_BOUNDS", "COUNTER_NAMES", "GROUP_KINDS",
+                 "WINDOW_GROUP_KINDS", "BUDGET_CATEGORIES", "TERM_SOURCES", "LIMIT_KINDS"):
+        assert getattr(facts, name) is getattr(wire_terms, name), name
+    assert limits.REQUEST_INT_RANGES is wire_terms.REQUEST_INT_RANGES
+
+
+def test_the_schema_spells_the_wire_terms() -> None:
+    schema = json.loads((ROOT / "exporter/kvledger/protocol/schema/kvledger-v1.json").read_text())
+    group = schema["$defs"]["pool"]["properties"]["groups"]["items"]
+    assert tuple(group["properties"]["kind"]["enum"]) == GROUP_KINDS
+    assert tuple(group["if"]["properties"]["kind"]["enum"]) == WINDOW_GROUP_KINDS
+    assert tuple(schema["properties"]["admission"]["enum"][:-1]) == ADMISSIONS
+    assert tuple(schema["properties"]["overflow"]["enum"][:-1]) == OVERFLOWS
+
+
+#: the engine-side modules that write kvledger/v1 requests (the SGLang plugin's ledger
+#: publishes through the vLLM plugin's document, which writes through the writer)
+PRODUCERS = ("vllm/document.py", "reference_ledger.py")
+
+
+def test_every_engine_side_producer_writes_requests_through_the_writer() -> None:
+    """No producer of the engine-side distribution encodes a request by hand: each one
+    writes through ``RequestWriter``, and no module but the definition spells a request's
+    JSON key in text."""
+    for name in PRODUCERS:
+        assert "RequestWriter" in (ENGINE / name).read_text(), name
+    assert "LedgerDocument(" in (ENGINE / "sglang" / "ledger.py").read_text()
+    for path in ENGINE.rglob("*.py"):
+        if path.name != "request_wire.py":
+            text = path.read_text()
+            for f in REQUEST_FIELDS:
+                assert f'"{f.name}":{{' not in text and f'\\"{f.name}\\":' not in text, f"{path}: {f.name} encoded by hand"
+
+
+def test_the_writer_writes_what_it_is_given_in_definition_order() -> None:
+    writer = RequestWriter({"pool": "p", "contexts": 1})
+    row = json.loads(writer.row_json({"id": "r", "state": "running", "tenant": None, "prompt_tokens": 3,
+                                      "max_output_tokens": 4, "blocks_held": 1}))
+    assert list(row) == ["id", "pool", "state", "prompt_tokens", "max_output_tokens", "contexts", "blocks_held"]
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        writer.row_json({"id": "r", "state": "running", "max_output_tokens": 4})
+    with pytest.raises(ValueError, match="not a field"):
+        RequestWriter({"nope": 1})
+    with pytest.raises(ValueError, match="one value per request"):
+        RequestWriter({"id": "x"})
