@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from kvledger.collect.sources.base import EngineContribution, Source, SourceError
@@ -47,7 +48,8 @@ class SglangSource(Source):
         self._page_size: int | None = None
 
     def poll(self) -> EngineContribution:
-        exp = parse_exposition(self._http.get_text())
+        deadline = time.monotonic() + self.cfg.timeout_seconds  # the collector's, for the parse too
+        exp = parse_exposition(self._http.get_text(), deadline)
         page_size = None
         if PAGE_SIZE not in exp and self._info is not None:
             if self._page_size is None:
