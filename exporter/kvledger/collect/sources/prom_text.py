@@ -200,7 +200,7 @@ def _sample(line: str) -> tuple[str, dict[str, str], float]:
             parts = masked[start:end].split('"')
             names = [p[1:-1] for p in parts[2:-1:2]]
             names.insert(0, parts[0][:-1])
-            if masked is line:
+            if "\\" not in line:  # no escapes (str.replace may return the line itself even with \n)
                 values = parts[1::2]
             else:
                 values, pos = [], start
@@ -210,7 +210,9 @@ def _sample(line: str) -> tuple[str, dict[str, str], float]:
                     pos += len(part) + 1
             labels = dict(zip(names, values, strict=True))
             if len(labels) != len(names):
-                raise _LineError("a label given twice")
+                seen: set[str] = set()
+                twice = next(n for n in names if n in seen or seen.add(n))  # type: ignore[func-returns-value]
+                raise _LineError(f"label {_brief(twice)} given twice")
             if "__name__" in labels:
                 raise _LineError("the metric name given twice (before the braces and as __name__)")
         value = line[m.start(3):m.end(3)]
