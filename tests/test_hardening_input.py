@@ -206,7 +206,7 @@ def test_every_capture_reads_as_prometheus_client_read_it() -> None:
         assert repr(ours) == repr(theirs), path
 
 
-def test_a_series_quoted_in_a_message_is_cut_before_it_is_built() -> None:
+def test_a_series_quoted_in_a_message_is_cut_short() -> None:
     sample = Sample({"a": "x" * (4 * MIB), "b": "y"}, 1.0)
     assert len(series_text("m", sample)) <= 160
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from kvledger.config.files import read_regular
 from kvledger.model.facts import TERM_SOURCES
 from kvledger.tools.plan.sizing import PLAN_TERM_ORDER, breaking_term
 
@@ -58,7 +58,7 @@ def parse_lengths(specs: Sequence[str], file: str | None) -> list[tuple[int, int
         out.append((int(parts[0]), int(parts[1]), 1))
     if file is not None:
         try:
-            text = read_regular(file).decode("utf-8")  # a regular file only: a FIFO is refused
+            text = Path(file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise PlanError(f"--lengths-file {file}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
         for number, line in enumerate(text.splitlines(), start=1):
