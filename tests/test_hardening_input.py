@@ -462,3 +462,70 @@ def test_layer_groups_beside_groups_must_count_them() -> None:
     assert facts_from_document(_document(64, 64), "e").pools[0].layer_groups == 64
     assert facts_from_document(_document(3, None), "e").pools[0].layer_groups == 3
     assert facts_from_document(_document(0, 2), "e").pools[0].layer_groups == 2
+
+
+# ---------------------------------------------------------------- reloads that cannot finish
+
+
+SERVER = object()  # what a reload is given: the reload function's business
+
+
+class _Reloads:
+    """A reload function whose calls block until released; records what each applied."""
+
+    def __init__(self) -> None:
+        self.started: list[threading.Event] = []
+        self.release: list[threading.Event] = []
+        self.applied: list[int] = []
+        self.dropped: list[int] = []
+
+    def __call__(self, _server: Any, applying: Callable[[], Any]) -> None:
+        n = len(self.started)
+        self.started.append(threading.Event())
+        self.release.append(threading.Event())
+        self.started[n].set()
+        self.release[n].wait(30)
+        with applying() as current:
+            (self.applied if current else self.dropped).append(n)
+
+
+def _wait(predicate: Callable[[], bool], seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "not reached"
+        time.sleep(0.01)
+
+
+def test_a_reload_that_cannot_finish_is_reported_and_does_not_block_the_next() -> None:
+    from kvledger.cli import ReloadRunner
+
+    reloads, overdue = _Reloads(), threading.Event()
+    runner = ReloadRunner(reloads, on_overdue=overdue.set, bound=0.3)
+    runner.request(SERVER)  # type: ignore[arg-type]  # the server is the reload function's business
+    _wait(lambda: len(reloads.started) == 1)
+    assert overdue.wait(10)  # stuck past its bound: reported failed
+    runner.request(SERVER)  # type: ignore[arg-type]
+    _wait(lambda: len(reloads.started) == 2)  # the next one runs at once
+    reloads.release[1].set()
+    _wait(lambda: reloads.applied == [1])
+    reloads.release[0].set()  # the stuck one ends at last: its result is dropped
+    _wait(lambda: reloads.dropped == [0])
+    assert reloads.applied == [1]
+
+
+def test_a_sighup_storm_runs_one_reload_at_a_time() -> None:
+    from kvledger.cli import ReloadRunner
+
+    reloads = _Reloads()
+    runner = ReloadRunner(reloads, bound=30)
+    for _ in range(50):
+        runner.request(SERVER)  # type: ignore[arg-type]
+    _wait(lambda: len(reloads.started) == 1)
+    time.sleep(0.2)
+    assert len(reloads.started) == 1  # the other 49 signals are one more reload, kept for later
+    reloads.release[0].set()
+    _wait(lambda: len(reloads.started) == 2)
+    reloads.release[1].set()
+    _wait(lambda: reloads.applied == [0, 1])
+    time.sleep(0.2)
+    assert len(reloads.started) == 2

@@ -83,10 +83,12 @@ def _exit_bounded(code: int, grace: float = EXIT_GRACE) -> int:
 
 class ReloadRunner:
     """SIGHUP reloads, each in its own thread, so the daemon's main loop (and SIGTERM) never
-    waits on one. A reload not finished within ``bound`` seconds is reported failed (logged,
-    ``on_overdue`` called); the next SIGHUP starts a new one, and a late one applies nothing:
+    waits on one. One runs at a time: a SIGHUP meanwhile is kept and runs when it ends (a
+    storm of signals is one more reload, not fifty at once). A reload not finished within
+    ``bound`` seconds is reported failed (logged, ``on_overdue`` called) and no longer
+    counts as running: the next SIGHUP starts a new one, and the late one applies nothing.
     ``reload(server, applying)`` prepares, then applies inside ``with applying() as current:``
-    only when ``current`` (the latest request, not overdue)."""
+    only when ``current`` (the latest reload, not overdue)."""
 
     def __init__(self, reload: Callable[[KvledgerHTTPServer, Callable[[], contextlib.AbstractContextManager[bool]]], None],
                  on_overdue: Callable[[], None] | None = None, bound: float = RELOAD_BOUND) -> None:
@@ -95,12 +97,17 @@ class ReloadRunner:
         self.bound = bound
         self._lock = threading.Lock()
         self._generation = 0
+        self._running: int | None = None  # the reload in progress within its bound
+        self._again: KvledgerHTTPServer | None = None  # a SIGHUP received meanwhile
         self._settled: set[int] = set()  # finished or overdue
 
     def request(self, server: KvledgerHTTPServer) -> None:
         with self._lock:
+            if self._running is not None:
+                self._again = server
+                return
             self._generation += 1
-            generation = self._generation
+            generation = self._running = self._generation
         worker = threading.Thread(target=self._run, args=(server, generation), name=f"kvledger-reload-{generation}",
                                   daemon=True)
         worker.start()
@@ -119,21 +126,34 @@ class ReloadRunner:
         except Exception:  # a reload must never take the daemon down
             log.exception("reload failed; the running configuration is kept")
         finally:
-            with self._lock:
-                late = generation in self._settled
-                self._settled.add(generation)
+            late, again = self._settle(generation)
             if late:
                 log.warning("the reload that did not finish within %gs ended; its result was dropped", self.bound)
+            if again is not None:
+                self.request(again)
 
-    def _overdue(self, generation: int) -> None:
+    def _settle(self, generation: int) -> tuple[bool, KvledgerHTTPServer | None]:
+        """Mark ``generation`` finished or overdue: (whether it was already, the SIGHUP kept meanwhile)."""
         with self._lock:
             if generation in self._settled:
-                return
+                return True, None
             self._settled.add(generation)
+            again = None
+            if self._running == generation:
+                self._running = None
+                again, self._again = self._again, None
+            return False, again
+
+    def _overdue(self, generation: int) -> None:
+        already, again = self._settle(generation)
+        if already:
+            return
         log.error("reload not finished within %gs (a file that cannot be read?): reported failed, the running "
                   "configuration is kept; the next SIGHUP starts a new one", self.bound)
         if self._on_overdue is not None:
             self._on_overdue()
+        if again is not None:
+            self.request(again)
 
 
 def _collector(config: Config, extra: Sequence[Source] = (), clock: Callable[[], float] = time.time) -> Collector:
