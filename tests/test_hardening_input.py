@@ -34,6 +34,7 @@ from fuzz_support import FUZZ
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
+from test_engine_text_hardening import KINDS as TEXT_KINDS
 
 from harness.hostile import HostileEngine
 from kvledger.cli import main
@@ -135,6 +136,30 @@ def test_an_engine_sending_4_mib_of_escapes_stays_up() -> None:
     finally:
         collector.stop()
         engine.stop()
+
+
+#: every hostile shape of bench/bench_parse_worst.py, 256 KiB each, as one more line of a capture
+LINE_SHAPES = {
+    "quotes": 'hostile{a="' + fill('\\"', 256 << 10) + '"} 1',
+    "mixed": 'hostile{a="' + fill('\\\\a\\n\\"b\\tc\\"\\"', 256 << 10) + '"} 1',
+    "backslashes": 'hostile{a="' + fill("\\\\", 256 << 10) + '"} 1',
+    "labels": "hostile{" + ",".join(f'a{i}="\\"{i}\\\\"' for i in range(16 << 10)) + "} 1",
+    "help": "# HELP hostile " + fill('\\"x"', 256 << 10),
+    "unclosed": 'hostile{a="' + fill('\\"', 256 << 10) + "} 1",
+}
+
+
+@pytest.mark.parametrize("shape", sorted(LINE_SHAPES))
+@pytest.mark.parametrize("kind", sorted(TEXT_KINDS))
+def test_every_kind_reads_a_capture_with_a_hostile_line(kind: str, shape: str) -> None:
+    capture, adapter = TEXT_KINDS[kind]
+    text = (FIXTURES / capture).read_text()
+    if shape == "unclosed":  # a parse error naming the line, for every kind
+        with pytest.raises(SourceError) as err:
+            adapter(text + LINE_SHAPES[shape] + "\n")
+        assert err.value.reason == "parse" and err.value.message.startswith(f"invalid exposition line {text.count(chr(10)) + 1}:")
+    else:  # a series no adapter reads: the facts are those of the capture alone
+        assert adapter(text + LINE_SHAPES[shape] + "\n") == adapter(text)
 
 
 def test_a_parse_stops_at_its_deadline_naming_the_line() -> None:
