@@ -405,7 +405,7 @@ def _json_file_in(base: Path | None) -> Callable[[Any], str]:
     def conv(value: Any) -> str:
         path = readable(value)
         try:
-            data = json.loads(Path(path).read_bytes())
+            data = json.loads(read_regular(path))  # a regular file only, as _file_in checked
         except (OSError, ValueError) as exc:
             raise ValueError(f"{path}: not a JSON file: {exc}") from None
         if not isinstance(data, dict):
