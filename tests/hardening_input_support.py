@@ -69,7 +69,7 @@ def busy_config(workdir: Path, good: LedgerServer, parsing: HostileEngine, drip:
         "nvml": {"enabled": "false"},
         "engines": [
             {"name": "good", "kind": "ledger", "url": good.url, "timeout_seconds": 1},
-            {"name": "fifo", "kind": "ledger", "url": good.url, "timeout_seconds": 1,
+            {"name": "fifo", "kind": "ledger", "url": good.url, "timeout_seconds": 10,
              "authorization": {"credentials_file": str(token)}},
             {"name": "parsing", "kind": "vllm", "url": parsing.url, "timeout_seconds": 60, "block_bytes": 4096},
             {"name": "drip", "kind": "ledger", "url": drip.url, "timeout_seconds": 60},
