@@ -211,8 +211,10 @@ def _sample(line: str) -> tuple[str, dict[str, str], float]:
             labels = dict(zip(names, values, strict=True))
             if len(labels) != len(names):
                 seen: set[str] = set()
-                twice = next(n for n in names if n in seen or seen.add(n))  # type: ignore[func-returns-value]
-                raise _LineError(f"label {_brief(twice)} given twice")
+                for twice in names:
+                    if twice in seen:
+                        raise _LineError(f"label {_brief(twice)} given twice")
+                    seen.add(twice)
             if "__name__" in labels:
                 raise _LineError("the metric name given twice (before the braces and as __name__)")
         value = line[m.start(3):m.end(3)]
