@@ -181,19 +181,21 @@ def test_capacity_beyond_float_exactness_is_a_parse_error() -> None:
 # ---------------------------------------------------------------- hardening round two (issue 25), pinned
 
 
-@pytest.mark.parametrize("stamp", ["9" * 312, "-" + "9" * 312, "9" * 400])
-def test_a_timestamp_no_double_holds_is_a_parse_error(stamp: str) -> None:
+@pytest.mark.parametrize("stamp", ["9" * 312, "-" + "9" * 312, "9" * 400, "9" * 5000, "1e400", "1.5", "9223372036854775808"])
+def test_a_timestamp_no_int64_holds_is_a_parse_error(stamp: str) -> None:
     # "a 1 999...9" (312 digits) raised OverflowError out of prometheus_client's parser: the
-    # engine went down as "internal" with a traceback logged at every poll
+    # engine went down as "internal" with a traceback logged at every poll; 5,000 digits and
+    # 1e400 it read as float("inf") and ignored. A timestamp is an int64 of milliseconds (as
+    # Prometheus reads it): anything else is a parse error, whatever its length
     text = BASE + f"vllm:num_requests_running{{engine=\"0\",model_name=\"tiny\"}} 3.0 {stamp}\n"
     with pytest.raises(SourceError) as err:
         vllm_facts_from_metrics(text, CFG)
     assert err.value.reason == "parse" and "invalid exposition line" in str(err.value)
+    assert "is not a count of milliseconds (an int64)" in str(err.value)
 
 
-@pytest.mark.parametrize("stamp", ["9" * 5000, "1e400", "1700000000000"])
-def test_a_timestamp_the_parser_reads_as_a_float_is_ignored(stamp: str) -> None:
-    # 5,000 digits are past int()'s limit: prometheus_client reads them as float("inf"), like 1e400
+@pytest.mark.parametrize("stamp", ["1700000000000", "-1", "9223372036854775807"])
+def test_a_timestamp_is_ignored(stamp: str) -> None:
     text = BASE + f"vllm:num_requests_waiting_by_reason{{engine=\"0\",model_name=\"tiny\",reason=\"x\"}} 1.0 {stamp}\n"
     assert vllm_facts_from_metrics(text, CFG) == vllm_facts_from_metrics(BASE, CFG)
 

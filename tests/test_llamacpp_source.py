@@ -143,7 +143,7 @@ def test_an_error_of_ours_reading_metrics_does_not_fail_the_poll(server, monkeyp
     """/metrics is optional ("never fails the poll"): not even an exception no parser names does."""
     base, _ = server
 
-    def broken(text: str) -> None:
+    def broken(text: str, deadline: float | None = None) -> None:
         raise OverflowError("integer division result too large for a float")
 
     monkeypatch.setattr("kvledger.collect.sources.llamacpp.source.parse_metrics", broken)

@@ -10,6 +10,7 @@ import gc
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import threading
@@ -21,10 +22,12 @@ from kvledger import __version__, version_text
 from kvledger.collect.collector import Collector
 from kvledger.collect.memory import limit_malloc_arenas
 from kvledger.collect.sources.base import Source
-from kvledger.config.loader import load_config
-from kvledger.config.model import Config, ConfigError
+from kvledger.config.files import open_regular, why
+from kvledger.config.listen import listen_address
+from kvledger.config.loader import load_config, parse_duration
+from kvledger.config.model import MAX_INTERVAL, MIN_INTERVAL, Config, ConfigError
 from kvledger.model.accounts import Accounts, ConfigReload
-from kvledger.model.facts import Sharing
+from kvledger.model.facts import EngineFacts, Sharing
 from kvledger.model.limits import MAX_CONTEXTS, MAX_TOKENS
 from kvledger.output.json_view import accounts_to_json
 from kvledger.web.server import KvledgerHTTPServer
@@ -36,6 +39,121 @@ log = logging.getLogger("kvledger")
 
 DEMO_LISTEN = "127.0.0.1:9477"
 LAB_LISTEN = "127.0.0.1:9478"
+#: seconds from SIGTERM (or SIGINT) to the process's exit, whatever its threads are doing: a
+#: poll stuck anywhere (a parse, a file, a socket) is left behind, with a warning naming it
+SHUTDOWN_BOUND = 5.0
+#: seconds a SIGHUP reload may take before it is reported failed (kvledger_config_last_reload_successful
+#: 0); a later SIGHUP starts a new one, and the late one's result, should it come, is dropped
+RELOAD_BOUND = 5.0
+#: seconds a one-shot command (check, snapshot) waits at exit for threads still busy (a poll
+#: past its deadline) before it exits without them
+EXIT_GRACE = 1.0
+
+
+def _lingering() -> list[threading.Thread]:
+    """Threads other than this one that would hold the interpreter's exit up."""
+    me = threading.current_thread()
+    return [t for t in threading.enumerate() if t is not me and t.is_alive() and not t.daemon]
+
+
+def exit_now(code: int, why: str) -> None:
+    """Leave the process with ``code`` at once (stdout and stderr flushed), naming the threads
+    left behind: a poll stuck in a parse, a file or a socket must not hold the exit up."""
+    names = ", ".join(sorted({t.name.rsplit("_", 1)[0] for t in _lingering()})) or "none"
+    log.warning("%s: exiting without the threads still busy (%s)", why, names)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    os._exit(code)
+
+
+def _exit_bounded(code: int, grace: float = EXIT_GRACE) -> int:
+    """Return ``code`` once the other threads are done, or leave without them after ``grace``
+    seconds (the process is exiting: a poll past its deadline must not delay it)."""
+    deadline = time.monotonic() + grace
+    for thread in _lingering():
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if _lingering():
+        exit_now(code, f"exit delayed over {grace:g}s")
+    return code
+
+
+class ReloadRunner:
+    """SIGHUP reloads, each in its own thread, so the daemon's main loop (and SIGTERM) never
+    waits on one. One runs at a time: a SIGHUP meanwhile is kept and runs when it ends (a
+    storm of signals is one more reload, not fifty at once). A reload not finished within
+    ``bound`` seconds is reported failed (logged, ``on_overdue`` called) and no longer
+    counts as running: the next SIGHUP starts a new one, and the late one applies nothing.
+    ``reload(server, applying)`` prepares, then applies inside ``with applying() as current:``
+    only when ``current`` (the latest reload, not overdue)."""
+
+    def __init__(self, reload: Callable[[KvledgerHTTPServer, Callable[[], contextlib.AbstractContextManager[bool]]], None],
+                 on_overdue: Callable[[], None] | None = None, bound: float = RELOAD_BOUND) -> None:
+        self._reload = reload
+        self._on_overdue = on_overdue
+        self.bound = bound
+        self._lock = threading.Lock()
+        self._generation = 0
+        self._running: int | None = None  # the reload in progress within its bound
+        self._again: KvledgerHTTPServer | None = None  # a SIGHUP received meanwhile
+        self._settled: set[int] = set()  # finished or overdue
+
+    def request(self, server: KvledgerHTTPServer) -> None:
+        with self._lock:
+            if self._running is not None:
+                self._again = server
+                return
+            self._generation += 1
+            generation = self._running = self._generation
+        worker = threading.Thread(target=self._run, args=(server, generation), name=f"kvledger-reload-{generation}",
+                                  daemon=True)
+        worker.start()
+        timer = threading.Timer(self.bound, self._overdue, args=(generation,))
+        timer.daemon = True
+        timer.start()
+
+    @contextlib.contextmanager
+    def _applying(self, generation: int) -> Iterator[bool]:
+        with self._lock:
+            yield generation == self._generation and generation not in self._settled
+
+    def _run(self, server: KvledgerHTTPServer, generation: int) -> None:
+        try:
+            self._reload(server, lambda: self._applying(generation))
+        except Exception:  # a reload must never take the daemon down
+            log.exception("reload failed; the running configuration is kept")
+        finally:
+            late, again = self._settle(generation)
+            if late:
+                log.warning("the reload that did not finish within %gs ended; its result was dropped", self.bound)
+            if again is not None:
+                self.request(again)
+
+    def _settle(self, generation: int) -> tuple[bool, KvledgerHTTPServer | None]:
+        """Mark ``generation`` finished or overdue: (whether it was already, the SIGHUP kept meanwhile)."""
+        with self._lock:
+            if generation in self._settled:
+                return True, None
+            self._settled.add(generation)
+            again = None
+            if self._running == generation:
+                self._running = None
+                again, self._again = self._again, None
+            return False, again
+
+    def _overdue(self, generation: int) -> None:
+        already, again = self._settle(generation)
+        if already:
+            return
+        log.error("reload not finished within %gs (a file that cannot be read?): reported failed, the running "
+                  "configuration is kept; the next SIGHUP starts a new one", self.bound)
+        if self._on_overdue is not None:
+            self._on_overdue()
+        if again is not None:
+            self.request(again)
 
 
 def _collector(config: Config, extra: Sequence[Source] = (), clock: Callable[[], float] = time.time) -> Collector:
@@ -60,11 +178,15 @@ def _run_until_signal(
     json_view: bool,
     on_stop: Callable[[], None] | None = None,
     otlp_endpoint: str | None = None,
-    reload: Callable[[KvledgerHTTPServer], None] | None = None,
+    reload: ReloadRunner | None = None,
     web_config_file: str | None = None,
     announce: Callable[[KvledgerHTTPServer], None] | None = None,
+    hard_exit: bool = False,
 ) -> int:
-    """Bind ``listen``, then (only once bound) ``announce`` and serve until SIGTERM/SIGINT."""
+    """Bind ``listen``, then (only once bound) ``announce`` and serve until SIGTERM/SIGINT.
+    SIGHUP runs ``reload`` in a ReloadRunner (the web config alone without one). With
+    ``hard_exit`` (the real process, not a caller in-process) the process exits within
+    SHUTDOWN_BOUND seconds of the signal whatever its threads are doing."""
     try:
         server = KvledgerHTTPServer(listen, collector, json_view=json_view, web_config_file=web_config_file)
     except ConfigError:
@@ -84,6 +206,13 @@ def _run_until_signal(
 
     def handle(signum: int, _frame: object) -> None:
         log.info("received %s, shutting down", signal.Signals(signum).name)
+        if hard_exit and not stop.is_set():
+            from kvledger.collect.sources.prom_text import abandon_parses
+
+            abandon_parses()  # a parse in progress stops at its next check
+            bound = threading.Timer(SHUTDOWN_BOUND - 0.5, exit_now, args=(0, f"shutdown took over {SHUTDOWN_BOUND - 0.5:g}s"))
+            bound.daemon = True
+            bound.start()
         stop.set()
         wake.set()
 
@@ -104,19 +233,13 @@ def _run_until_signal(
     collector.start()
     server.start()
     log.info("kvledger %s serving on %s/metrics", __version__, server.url)
+    reloads = reload if reload is not None else ReloadRunner(_web_config_reload)
     while not stop.is_set():
         wake.wait()
         wake.clear()
         if hangup.is_set() and not stop.is_set():
             hangup.clear()
-            if reload is None:
-                log.info("received SIGHUP: reloading the web config (this command has no configuration file)")
-                server.reload_web_config()
-            else:
-                try:
-                    reload(server)
-                except Exception:  # a reload must never take the daemon down
-                    log.exception("reload failed; the running configuration is kept")
+            reloads.request(server)
     server.stop()
     if otlp is not None:
         otlp.stop()
@@ -125,6 +248,12 @@ def _run_until_signal(
         on_stop()
     log.info("stopped")
     return 0
+
+
+def _web_config_reload(server: KvledgerHTTPServer, applying: Callable[[], contextlib.AbstractContextManager[bool]]) -> None:
+    """SIGHUP without a configuration file (demo, lab): the web config alone."""
+    log.info("received SIGHUP: reloading the web config (this command has no configuration file)")
+    server.reload_web_config()
 
 
 def settle_garbage_collector() -> None:
@@ -148,22 +277,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settle_garbage_collector()
     running = [config]
 
-    def reload(server: KvledgerHTTPServer) -> None:
-        """SIGHUP: read the configuration again; a bad one is logged and the old one kept."""
+    def failed() -> None:
+        loaded = collector.config_reload
+        collector.config_reload = ConfigReload(False, loaded.success_at if loaded else 0.0)
+
+    def reload(server: KvledgerHTTPServer, applying: Callable[[], contextlib.AbstractContextManager[bool]]) -> None:
+        """SIGHUP: read the configuration again; a bad one is logged and the old one kept.
+        Prepared in its own thread; applied only if still the latest reload (ReloadRunner)."""
         from kvledger.collect.sources.registry import build_sources
 
         old = running[0]
         log.info("received SIGHUP: reloading %s", args.config)
-        loaded = collector.config_reload
         try:
             new = load_config(args.config)
             sources, timeouts, base = build_sources(new, previous=(old, collector.sources))
         except Exception as exc:  # any failure keeps the running configuration, and says so
-            collector.config_reload = ConfigReload(False, loaded.success_at if loaded else 0.0)
+            with applying() as current:
+                if current:
+                    failed()
             if isinstance(exc, ConfigError):
                 log.error("reload failed, the running configuration is kept: %s", exc)
                 return
             raise
+        with applying() as current:
+            if not current:  # overdue, or a later SIGHUP's reload runs: drop what this one built
+                for source in sources:
+                    if source not in collector.sources:
+                        with contextlib.suppress(Exception):
+                            source.close()
+                return
+            _apply_reload(server, new, old, sources, timeouts, base)
+
+    def _apply_reload(server: KvledgerHTTPServer, new: Config, old: Config, sources: list[Source],
+                      timeouts: dict[int, float], base: list[EngineFacts]) -> None:
         if new.listen != old.listen and not args.listen:
             log.warning("listen changed to %s: a restart applies it (still on %s)", new.listen, old.listen)
         if new.otlp_endpoint != old.otlp_endpoint:
@@ -181,7 +327,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     web_config_file = args.web_config_file or config.web_config_file  # the flag wins over the key
     return _run_until_signal(
         collector, args.listen or config.listen, config.json_view, otlp_endpoint=config.otlp_endpoint,
-        web_config_file=web_config_file, reload=reload,
+        web_config_file=web_config_file, reload=ReloadRunner(reload, on_overdue=failed), hard_exit=args.hard_exit,
     )
 
 
@@ -256,7 +402,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
               f"metrics on {server.url}/metrics (Ctrl-C stops)", flush=True)
 
     return _run_until_signal(collector, args.listen, True, on_stop=demo.stop, web_config_file=args.web_config_file,
-                             announce=announce)
+                             announce=announce, hard_exit=args.hard_exit)
 
 
 def format_value(value: float) -> str:
@@ -327,12 +473,29 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
             collector.stop()
 
 
+def _check_web_config(path: str | None) -> None:
+    """The web config as serve loads it (its TLS files, its users); ConfigError when it cannot."""
+    if path is None:
+        return
+    from kvledger.web.runtime import WebRuntime
+
+    state = WebRuntime(path).state
+    what = [w for w, on in (("TLS", state.ssl_context is not None),
+                            (f"basic auth ({len(state.config.basic_auth_users)} user(s))", state.auth is not None)) if on]
+    print(f"{path}: web config is valid ({', '.join(what) or 'no TLS, no basic auth'})")
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     _warn_config(config)
     with _one_shot_logging(args):
         collector = _collector(config)  # builds every source: a configuration it cannot use fails here
         print(f"{args.config}: configuration is valid ({len(config.engines)} engine(s), sharing={config.sharing})")
+        try:
+            _check_web_config(args.web_config_file or config.web_config_file)  # the flag wins over the key, as in serve
+        except ConfigError:
+            collector.stop()
+            raise
         try:
             collector.poll_once()
             bad = 0
@@ -465,6 +628,41 @@ def cmd_plan(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def _flag(check: Callable[[str], object]) -> Callable[[str], str]:
+    """An argparse type from a configuration value's check: the value as given, or argparse's
+    error (exit 2, the flag named) with the check's message: flags and keys read alike."""
+
+    def conv(text: str) -> str:
+        try:
+            check(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+
+    return conv
+
+
+def _nonempty(text: str) -> str:
+    if not text:
+        raise ValueError("expected a value, got an empty one")
+    return text
+
+
+_listen_flag = _flag(listen_address)  # the configuration's listen: reads the same way
+_path_flag = _flag(_nonempty)
+
+
+def _interval_flag(text: str) -> float:
+    """--interval as interval_seconds is read: seconds (1.5) or a duration (500ms) in its range."""
+    try:
+        seconds = parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not MIN_INTERVAL <= seconds <= MAX_INTERVAL:
+        raise argparse.ArgumentTypeError(f"must be between {MIN_INTERVAL:g} s and {MAX_INTERVAL:g} s, got {text!r}")
+    return seconds
 
 
 def _int_in(minimum: int, maximum: int) -> Callable[[str], int]:
@@ -644,9 +842,10 @@ class _VersionAction(argparse.Action):
 def _add_web_flags(parser: argparse.ArgumentParser, listen_help: str, *, listen_default: str | None = None,
                    web_help: str = "exporter-toolkit web-config.yml: TLS and basic auth") -> None:
     parser.add_argument("--web.listen-address", "--listen", dest="listen", default=listen_default, metavar="HOST:PORT",
+                        type=_listen_flag,
                         help=f"address to listen on for the web interface and /metrics ({listen_help}); "
                              "--listen is the older spelling")
-    parser.add_argument("--web.config.file", dest="web_config_file", metavar="PATH", help=web_help)
+    parser.add_argument("--web.config.file", dest="web_config_file", metavar="PATH", type=_path_flag, help=web_help)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -658,7 +857,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the exporter on a configuration file", parents=[common])
-    s.add_argument("--config", required=True)
+    s.add_argument("--config", required=True, type=_path_flag)
     _add_web_flags(s, "overrides the config's listen",
                    web_help="exporter-toolkit web-config.yml: TLS and basic auth (overrides web_config_file)")
     s.set_defaults(func=cmd_serve)
@@ -669,18 +868,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inject a fault into the simulator (repeatable): none, reserve-overcommit (sim-tgi), "
                         "per-request-used, leak, overflow (sim-vllm); ENGINE=MODE picks the engine")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--interval", type=float, default=1.0, help="poll interval in seconds")
+    d.add_argument("--interval", type=_interval_flag, default=1.0,
+                   help="poll interval: seconds (1.5) or a duration (500ms), as interval_seconds")
     d.add_argument("--sharing", default="per-request", choices=("per-request", "reference-aware"))
     d.set_defaults(func=cmd_demo)
 
     sn = sub.add_parser("snapshot", help="poll every source once and print the accounts; non-zero if a source failed",
                         parents=[common])
-    sn.add_argument("--config", required=True)
+    sn.add_argument("--config", required=True, type=_path_flag)
     sn.add_argument("--json", action="store_true")
     sn.set_defaults(func=cmd_snapshot)
 
-    c = sub.add_parser("check", help="validate the configuration and probe every source", parents=[common])
-    c.add_argument("--config", required=True)
+    c = sub.add_parser("check", help="validate the configuration (and the web config) and probe every source",
+                       parents=[common])
+    c.add_argument("--config", required=True, type=_path_flag)
+    _add_web_flags(c, "checked as serve reads it; nothing is bound",
+                   web_help="exporter-toolkit web-config.yml, checked as serve loads it (overrides web_config_file)")
     c.set_defaults(func=cmd_check)
 
     lab = sub.add_parser("lab", help="cache lab: a working set fitting or failing to fit an LRU capacity",
@@ -702,21 +905,25 @@ def _web_config_flag_readable(path: str | None) -> None:
     web_config_file is checked by the loader, naming the key)."""
     if path:
         try:
-            with open(path, "rb"):
-                pass
+            os.close(open_regular(path))  # a FIFO is refused, never waited on
         except OSError as exc:
-            raise ConfigError(f"--web.config.file {path}: cannot read: {exc.strerror or exc}") from None
+            raise ConfigError(f"--web.config.file {path}: cannot read: {why(exc)}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command line. Run as the program (``argv`` None), the process exits within
+    SHUTDOWN_BOUND seconds of SIGTERM and within EXIT_GRACE of a command's end whatever its
+    threads do; called with ``argv`` (in-process), it only returns."""
     args = build_parser().parse_args(argv)
+    args.hard_exit = argv is None
     configure_logging(args.log_level, args.log_format)
     try:
         _web_config_flag_readable(getattr(args, "web_config_file", None))
-        return int(args.func(args))
+        code = int(args.func(args))
     except ConfigError as exc:
         print(f"kvledger: configuration error: {exc}", file=sys.stderr)
-        return 2
+        code = 2
+    return _exit_bounded(code) if args.hard_exit else code
 
 
 if __name__ == "__main__":

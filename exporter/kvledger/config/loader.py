@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields
@@ -24,6 +25,8 @@ from typing import Any, TypeVar
 import yaml
 
 from kvledger.config.engine_kinds import KINDS, PLANNED, kind_specific_keys
+from kvledger.config.files import check_header_text, open_regular, read_regular, read_secret_file, why
+from kvledger.config.listen import listen_address
 from kvledger.config.model import (
     DEFAULT_INTERVAL,
     DEFAULT_LISTEN,
@@ -284,11 +287,8 @@ def _nonneg_number(value: Any) -> float:
 
 
 def _listen(raw: Any) -> str:
-    value = _str(raw)
-    _host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"expected HOST:PORT, got {value!r}")
-    return value
+    """HOST:PORT, read as the --web.listen-address flag is (kvledger.config.listen)."""
+    return listen_address(raw)
 
 
 def _url(raw: Any) -> str:
@@ -350,6 +350,27 @@ def _secret(value: Any) -> Secret:
     return Secret(value)
 
 
+def _header_secret(value: Any) -> Secret:
+    """A credential sent in the Authorization header as it is (a bearer token): Latin-1,
+    what a header can carry, checked now rather than failing every poll."""
+    secret = _secret(value)
+    check_header_text(secret.reveal(), "the credential")
+    return secret
+
+
+def _secret_file_in(base: Path | None, header: bool) -> Callable[[Any], str]:
+    """A credentials or password file: a regular file holding one line, read now as every
+    poll reads it (``header``: sent as it is, so Latin-1); its path is kept."""
+    path_of = _file_in(base)
+
+    def conv(value: Any) -> str:
+        path = path_of(value)
+        read_secret_file(path, header=header)
+        return path
+
+    return conv
+
+
 def _auth_type(value: Any) -> str:
     if not isinstance(value, str) or not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", value):
         raise ValueError(f"expected an HTTP authentication scheme such as Bearer, got {_brief(value)}")
@@ -373,10 +394,9 @@ def _file_in(base: Path | None) -> Callable[[Any], str]:
         if base is not None and not path.is_absolute():
             path = base / path
         try:
-            with open(path, "rb"):
-                pass
+            os.close(open_regular(path))  # a FIFO would block a plain open(): refused, never waited on
         except OSError as exc:
-            raise ValueError(f"cannot read {path}: {exc.strerror or type(exc).__name__}") from None
+            raise ValueError(f"cannot read {path}: {why(exc)}") from None
         return str(path)
 
     return conv
@@ -390,7 +410,7 @@ def _json_file_in(base: Path | None) -> Callable[[Any], str]:
     def conv(value: Any) -> str:
         path = readable(value)
         try:
-            data = json.loads(Path(path).read_bytes())
+            data = json.loads(read_regular(path))  # a regular file only, as _file_in checked
         except (OSError, ValueError) as exc:
             raise ValueError(f"{path}: not a JSON file: {exc}") from None
         if not isinstance(data, dict):
@@ -422,15 +442,15 @@ def _client_auth(r: MappingReader, url: str) -> tuple[AuthorizationConfig | None
     base = Path(r.file).parent if r.file != "<config>" else None
     authorization = None
     if (a := r.child("authorization", ("type", "credentials", "credentials_file"))) is not None:
-        authorization = AuthorizationConfig(a.get("type", _auth_type, "Bearer"), a.get("credentials", _secret, None),
-                                            a.get("credentials_file", _file_in(base), None))
+        authorization = AuthorizationConfig(a.get("type", _auth_type, "Bearer"), a.get("credentials", _header_secret, None),
+                                            a.get("credentials_file", _secret_file_in(base, header=True), None))
         a.finish()
         if (authorization.credentials is None) == (authorization.credentials_file is None):
             raise a.error("give one of credentials and credentials_file")
     basic = None
     if (b := r.child("basic_auth", ("username", "password", "password_file"))) is not None:
         basic = BasicAuthConfig(b.require("username", _username), b.get("password", _secret, None),
-                                b.get("password_file", _file_in(base), None))
+                                b.get("password_file", _secret_file_in(base, header=False), None))
         b.finish()
         if basic.password is not None and basic.password_file is not None:
             raise b.error("give password or password_file, not both")
@@ -672,9 +692,9 @@ def read_yaml(path: str | Path) -> object:
     duplicate keys rejected, deep nesting refused; ConfigError names the file and where."""
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        raw = read_regular(path)  # a regular file only, never a blocking open (a FIFO)
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        raise ConfigError(f"{path}: cannot read: {why(exc)}") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

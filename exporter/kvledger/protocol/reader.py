@@ -305,6 +305,11 @@ def _pool(raw: object, path: str) -> PoolFacts:
     groups = _groups(p.get("groups"), f"{path}.groups")
     if layer_groups is None and groups:
         layer_groups = len(groups)
+    elif groups and layer_groups != len(groups):
+        # token capacity is num_blocks // layer_groups x block_size: a count other than the
+        # groups' would state a capacity the groups cannot have
+        raise ProtocolError(f"{path}.layer_groups", f"is {layer_groups} but the pool states {len(groups)} group(s) "
+                                                     "(layer_groups counts them: give that number or leave it out)")
     out = PoolFacts(
         id=_req(p, "id", path, _str),
         block_size=_req(p, "block_size", path, _int, 1, MAX_TOKENS),

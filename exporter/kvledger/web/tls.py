@@ -7,6 +7,7 @@ import logging
 import ssl
 from typing import Any
 
+from kvledger.config.files import regular_path
 from kvledger.config.model import ConfigError
 from kvledger.web.web_config import CLIENT_AUTH_TYPES, TLS_VERSIONS, TlsServerConfig
 
@@ -23,7 +24,8 @@ def server_context(tls: TlsServerConfig, source: str = "<web config>") -> ssl.SS
     ctx.minimum_version = TLS_VERSIONS[tls.min_version]
     ctx.maximum_version = TLS_VERSIONS[tls.max_version]
     try:
-        ctx.load_cert_chain(tls.cert_file, tls.key_file)
+        with regular_path(tls.cert_file) as cert, regular_path(tls.key_file) as key:  # a FIFO: refused, not waited on
+            ctx.load_cert_chain(cert, key)
     except (OSError, ssl.SSLError) as exc:
         raise ConfigError(f"{source}: tls_server_config: cannot load cert_file {tls.cert_file} "
                           f"with key_file {tls.key_file}: {exc}") from None
@@ -31,7 +33,8 @@ def server_context(tls: TlsServerConfig, source: str = "<web config>") -> ssl.SS
     assert mode is not None  # web_config rejects the types Python cannot do
     if tls.client_ca_file is not None:
         try:
-            ctx.load_verify_locations(cafile=tls.client_ca_file)
+            with regular_path(tls.client_ca_file) as ca:
+                ctx.load_verify_locations(cafile=ca)
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError(f"{source}: tls_server_config.client_ca_file: cannot load "
                               f"{tls.client_ca_file}: {exc}") from None

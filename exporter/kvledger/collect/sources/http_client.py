@@ -57,11 +57,9 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from kvledger.collect.memory import release_freed_memory
 from kvledger.collect.sources.base import SourceError
 from kvledger.config.engine_tls import client_ssl_context
+from kvledger.config.files import MAX_SECRET_FILE_BYTES, read_secret_file  # noqa: F401  # re-exported here
 from kvledger.config.model import ClientAuth, TlsClientConfig
 from kvledger.model.limits import MAX_TEXT_LINES
-
-#: a credentials_file or password_file larger than this is refused (a token, not a document)
-MAX_SECRET_FILE_BYTES = 64 << 10
 
 #: default cap on a response body (engines' documents and /metrics texts); per engine
 #: ``max_response_bytes`` in the configuration overrides it
@@ -172,25 +170,6 @@ def _tls_files(tls: TlsClientConfig | None) -> tuple[tuple[str, float], ...]:
             except OSError:
                 out.append((path, -1.0))
     return tuple(out)
-
-
-def read_secret_file(path: str) -> str:
-    """A credentials or password file's content without its trailing whitespace (as
-    Prometheus reads it). ValueError says why it cannot be used, never what it holds."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_SECRET_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc.strerror or type(exc).__name__}") from None
-    if len(raw) > MAX_SECRET_FILE_BYTES:
-        raise ValueError(f"{path} is over {MAX_SECRET_FILE_BYTES} bytes")
-    try:
-        text = raw.decode("utf-8").rstrip()
-    except UnicodeDecodeError:
-        raise ValueError(f"{path} is not UTF-8 text") from None
-    if not text or any(c in text for c in "\r\n\x00"):
-        raise ValueError(f"{path} must hold one non-empty line")
-    return text
 
 
 class _HTTPSConnection(http.client.HTTPSConnection):
@@ -473,7 +452,8 @@ class HttpClient:
         auth = self.auth
         try:
             if auth is not None and (a := auth.authorization) is not None:
-                credentials = a.credentials.reveal() if a.credentials is not None else read_secret_file(a.credentials_file or "")
+                credentials = (a.credentials.reveal() if a.credentials is not None
+                               else read_secret_file(a.credentials_file or "", header=True))
                 return f"{a.type} {credentials}"
             if auth is not None and (b := auth.basic_auth) is not None:
                 if b.password is not None:

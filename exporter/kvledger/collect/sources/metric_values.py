@@ -25,8 +25,9 @@ _SERIES = 160
 
 
 def series_text(name: str, sample: Sample) -> str:
-    """``name{label="value",...}``, labels sorted, cut to a bounded length."""
-    labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+    """``name{label="value",...}``, labels sorted, cut to a bounded length (each name and value
+    is cut before the text is joined: a 16 MiB label value is never copied whole)."""
+    labels = ",".join(f'{k[:_SERIES]}="{v[:_SERIES]}"' for k, v in sorted(sample.labels.items()))
     text = f"{name}{{{labels}}}"
     return text if len(text) <= _SERIES else text[: _SERIES - 3] + "..."
 

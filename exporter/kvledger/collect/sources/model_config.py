@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.collect.sources.base import SourceError
+from kvledger.config.files import read_regular
 from kvledger.config.model import EngineConfig
 from kvledger.model.block_bytes import ModelConfigError
 
@@ -22,9 +23,11 @@ from kvledger.model.block_bytes import ModelConfigError
 def load_model_config(path: str | Path) -> dict[str, Any]:
     """A ``config.json`` as a dict; a file that cannot be read or parsed is ModelConfigError."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(read_regular(path).decode("utf-8"))  # a regular file only: a FIFO is refused
     except OSError as exc:
         raise ModelConfigError(f"{path}: cannot read model config: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ModelConfigError(f"{path}: model config is not UTF-8 (byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise ModelConfigError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
     if not isinstance(data, dict):

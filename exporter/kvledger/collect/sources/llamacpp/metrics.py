@@ -95,9 +95,10 @@ def _count(exp: Exposition, name: str) -> int | None:
     return None if v is None else int(v)
 
 
-def parse_metrics(text: str) -> ServerMetrics:
-    """The series of llama.cpp's /metrics this source reads (see the module doc)."""
-    exp = parse_exposition(text)
+def parse_metrics(text: str, deadline: float | None = None) -> ServerMetrics:
+    """The series of llama.cpp's /metrics this source reads (see the module doc); the parse
+    stops at ``deadline`` (time.monotonic()) with SourceError("timeout")."""
+    exp = parse_exposition(text, deadline)
     return ServerMetrics(
         prompt_tokens=_one(exp, PROMPT_TOKENS, "counter"),
         prompt_tokens_cached=_one(exp, PROMPT_TOKENS_CACHED, "counter"),

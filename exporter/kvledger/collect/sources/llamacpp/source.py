@@ -102,7 +102,7 @@ class LlamacppSource(Source):
                 text = body.decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise SourceError("parse", f"{self._metrics.where}: body is not UTF-8 (byte {exc.start})") from None
-            metrics = parse_metrics(text)
+            metrics = parse_metrics(text, deadline)
         except SourceError as exc:
             self._metrics_error = f"{exc.reason}: {exc.message}"
             return None

@@ -159,7 +159,8 @@ class SglangSource(Source):
 
     def _metrics(self) -> EngineFacts:
         try:
-            exp = parse_exposition(self._http.get_text())
+            deadline = time.monotonic() + self._part  # the poll's share of the timeout, for the parse too
+            exp = parse_exposition(self._http.get_text(), deadline)
             page_size = None
             if PAGE_SIZE not in exp and self._info is not None and self._info_configured:
                 if self._page_size is None:

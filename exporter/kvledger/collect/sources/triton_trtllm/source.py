@@ -3,8 +3,11 @@ it with ``triton_trtllm_facts``; every failure is a SourceError with its reason.
 
 from __future__ import annotations
 
+import time
+
 from kvledger.collect.sources.base import EngineContribution, Source
 from kvledger.collect.sources.http_client import HttpClient
+from kvledger.collect.sources.prom_text import parse_exposition
 from kvledger.collect.sources.triton_trtllm.metrics import triton_trtllm_facts
 from kvledger.config.model import EngineConfig
 
@@ -18,7 +21,8 @@ class TritonTrtllmSource(Source):
                                 accept="text/plain;version=0.0.4", auth=cfg.client_auth)
 
     def poll(self) -> EngineContribution:
-        return EngineContribution(triton_trtllm_facts(self._http.get_text(), self.cfg))
+        deadline = time.monotonic() + self.cfg.timeout_seconds  # the collector's, for the parse too
+        return EngineContribution(triton_trtllm_facts(parse_exposition(self._http.get_text(), deadline), self.cfg))
 
     def close(self) -> None:
         self._http.abort()

@@ -3,8 +3,11 @@ it with ``trtllm_facts``; every failure is a SourceError with its reason."""
 
 from __future__ import annotations
 
+import time
+
 from kvledger.collect.sources.base import EngineContribution, Source, SourceError
 from kvledger.collect.sources.http_client import HttpClient, redact_url
+from kvledger.collect.sources.prom_text import parse_exposition
 from kvledger.collect.sources.trtllm.metrics import trtllm_facts
 from kvledger.config.model import EngineConfig
 
@@ -23,7 +26,8 @@ class TrtllmSource(Source):
                                 accept="text/plain;version=0.0.4", auth=cfg.client_auth)
 
     def poll(self) -> EngineContribution:
-        return EngineContribution(trtllm_facts(self._http.get_text(), self.cfg))
+        deadline = time.monotonic() + self.cfg.timeout_seconds  # the collector's, for the parse too
+        return EngineContribution(trtllm_facts(parse_exposition(self._http.get_text(), deadline), self.cfg))
 
     def close(self) -> None:
         self._http.abort()

@@ -101,8 +101,9 @@ class VllmSource(Source):
 
     def poll(self) -> EngineContribution:
         if self._ledger is None:
+            deadline = time.monotonic() + self.cfg.timeout_seconds  # the collector's, for the parse too
             text = self._http.get_text()
-            facts = vllm_facts_from_metrics(text, self.cfg, self._model_config.load())
+            facts = vllm_facts_from_metrics(parse_exposition(text, deadline), self.cfg, self._model_config.load())
             self._note_start_time(process_start_time(text))
         else:
             facts = self._poll_with_ledger(self._ledger)
@@ -122,7 +123,7 @@ class VllmSource(Source):
         try:
             text = self._http.get_text()
             self._note_start_time(process_start_time(text))
-            exposition = parse_exposition(text)
+            exposition = parse_exposition(text, began + self._part_timeout)
             shape = CacheShape.of_metrics(exposition)
             metrics = vllm_facts_from_metrics(exposition, self.cfg, self._model_config.load())
         except SourceError as exc:

@@ -25,6 +25,7 @@ import os
 import re
 from dataclasses import dataclass, fields
 
+from kvledger.config.files import open_regular
 from kvledger.model.facts import MemoryTerm
 from kvledger.model.limits import MAX_SAFE_INT
 
@@ -155,17 +156,20 @@ class VllmLogReader:
         return f"{self.path}: not read yet (it is read after the engine's /metrics answers)"
 
     def read(self) -> VllmLogFacts:
-        """Raises OSError when the file cannot be read."""
-        st = os.stat(self.path)
-        identity = (st.st_dev, st.st_ino)
-        if identity != self._identity or st.st_size < self._offset:
-            self._offset, self._partial, self.facts = 0, b"", VllmLogFacts()
-            self._identity = identity
-        if st.st_size == self._offset:
-            return self.facts
-        with open(self.path, "rb") as fh:
-            fh.seek(self._offset)
-            chunk = fh.read(self.max_bytes_per_read)
+        """Raises OSError when the file cannot be read (or is no regular file: a FIFO is
+        refused, never waited on)."""
+        fd = open_regular(self.path)
+        try:
+            st = os.fstat(fd)
+            identity = (st.st_dev, st.st_ino)
+            if identity != self._identity or st.st_size < self._offset:
+                self._offset, self._partial, self.facts = 0, b"", VllmLogFacts()
+                self._identity = identity
+            if st.st_size == self._offset:
+                return self.facts
+            chunk = os.pread(fd, self.max_bytes_per_read, self._offset)
+        finally:
+            os.close(fd)
         self._offset += len(chunk)
         data = self._partial + chunk
         complete, sep, rest = data.rpartition(b"\n")
