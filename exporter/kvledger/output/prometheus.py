@@ -136,13 +136,23 @@ def negotiate(accept: str) -> tuple[str, str]:
     return TEXT, TEXT_CONTENT_TYPE
 
 
+#: a longer version parameter is not read (not a version this exporter can name back)
+MAX_VERSION_CHARS = 64
+
+
 def _at_least_1(version: str) -> bool:
     """version >= 1.0.0, compared part by part as integers ("1" is less, "2" more); a
     version with a part that is no integer is not (prometheus_client fails on it)."""
+    if len(version) > MAX_VERSION_CHARS:
+        return False
     parts = version.split(".")
     if not all(p.isascii() and p.isdigit() for p in parts):
         return False
-    return tuple(int(p) for p in parts) >= (1, 0, 0)
+    # compared as digit strings, never converted: int() refuses more than 4,300 digits (and a
+    # longer number would cost quadratic time); leading zeros do not count
+    # ((length, digits) orders as the number does); a list compares as the tuple of ints did
+    numbers = [(len(n), n) for n in (p.lstrip("0") for p in parts)]
+    return numbers >= [(1, "1"), (0, ""), (0, "")]
 
 
 def render(accounts: Accounts | None, process_registry: CollectorRegistry | None = None, fmt: str = TEXT) -> bytes:

@@ -39,10 +39,10 @@ class SglangSource(Source):
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg, self.engine = cfg, cfg.name
-        self._http = HttpClient(cfg.url, timeout=cfg.timeout_seconds, max_bytes=cfg.max_response_bytes,
+        self._http = HttpClient(cfg.url, timeout=cfg.timeout_seconds, max_bytes=cfg.max_response_bytes, max_lines=cfg.max_response_lines,
                                 accept="text/plain;version=0.0.4", auth=cfg.client_auth)
         info = cfg.option("server_info_url")
-        self._info = HttpClient(info, timeout=cfg.timeout_seconds, max_bytes=cfg.max_response_bytes,
+        self._info = HttpClient(info, timeout=cfg.timeout_seconds, max_bytes=cfg.max_response_bytes, max_lines=cfg.max_response_lines,
                                 accept="application/json", auth=cfg.client_auth) if info else None
         self._page_size: int | None = None
 
