@@ -168,7 +168,7 @@ def test_a_handler_error_is_answered_500_and_logged_once_per_kind(collector: Col
     server = serve(collector, json_view=True)
     try:
         with caplog.at_level("DEBUG", logger="asyncio"), caplog.at_level("ERROR", logger="kvledger.web.server"):
-            for i in range(20):
+            for _ in range(20):
                 collector.poll_once()  # new Accounts each time: the view is made (and fails) again
                 status, body, resp = get(server, "/api/v1/accounts")
                 assert status == 500 and resp.getheader("Connection") == "close" and b"internal error" in body

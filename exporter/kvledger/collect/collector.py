@@ -325,8 +325,11 @@ class Collector:
         names = ", ".join(f"{r.source.engine or '-'}/{r.source.kind}" for r in stuck[:5])
         log.warning("%d polls stuck past twice their timeout (%s%s): the other sources are polled by new threads",
                     len(stuck), names, ", ..." if len(stuck) > 5 else "")
-        self._pool.shutdown(wait=False)
+        self._pool.shutdown(wait=False, cancel_futures=True)  # the polls queued there are submitted again
         self._pool = self._new_pool(len(self._runners))
+        for r in self._runners:
+            if r.future is not None and r.future.cancelled():
+                r.future = None
 
     def _harvest(self, force_timeouts: bool = False) -> None:
         now = time.monotonic()
