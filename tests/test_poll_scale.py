@@ -273,3 +273,39 @@ def test_budget_and_line_limit_are_configurable(tmp_path: Path) -> None:
         path.write_text(yaml.safe_dump({"nvml": {"enabled": False}, **bad}))
         with pytest.raises(Exception, match=r"memory_budget_bytes|max_response_lines"):
             load_config(str(path))
+
+
+def test_engine_families_are_each_engines_lines_made_once() -> None:
+    """A scrape after a cycle joins the lines each engine's account got at its render check
+    (before: every engine rendered again by the first scrape of each cycle: 2.5 s for the
+    4.8 MB of 1,000 engines on a loaded machine). The families so joined are exactly the
+    engines' own: rendering the whole Accounts the old way gives the same bytes."""
+    import dataclasses
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from workload import scrape_snapshot
+
+    from kvledger.output import prometheus as out
+    from kvledger.output.catalog import CATALOG
+    from kvledger.policy.engine_accounts import compute_accounts
+
+    accounts = compute_accounts(scrape_snapshot(blocks=10_000))
+    for spec in CATALOG:  # every engine family reads Accounts.engines alone
+        if spec.name in out.ENGINE_FAMILIES:
+            whole = list(spec.samples(accounts))
+            each = [s for e in accounts.engines for s in spec.samples(dataclasses.replace(accounts, engines=[e]))]
+            assert whole == each, spec.name
+    body = out.render_text(accounts)
+    assert all(e.rendered is not None for e in accounts.engines)
+    fresh = compute_accounts(scrape_snapshot(blocks=10_000))
+    old_way = "".join(out._HEADERS[spec.name] + out._family_lines(spec, fresh, check=False) for spec in CATALOG)
+    assert body == old_way.encode()
+    # the collector's render check makes them: a scrape then renders no engine again
+    sources = [Counting(f"e{i}", 0.0) for i in range(3)]
+    c = Collector(sources, base_engines=base(*(s.engine for s in sources)))
+    try:
+        acc = c.poll_once()
+        assert all(e.rendered is not None for e in acc.engines)
+    finally:
+        c.stop()
