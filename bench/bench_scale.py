@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import ClassVar
 
 sys.path.insert(0, str(Path(__file__).parent))
 from realistic_load import Load, dumps
@@ -56,7 +57,7 @@ def raise_nofile(n: int) -> None:
 
 
 class _Engine(asyncio.Protocol):
-    docs: list[bytes] = []
+    docs: ClassVar[list[bytes]] = []
     idle = False  # documents that never change: every poll after the first is answered 304
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -184,7 +185,8 @@ def run(engines: int, args: argparse.Namespace, engine_port: int, env: dict[str,
         end = proc(daemon.pid)
         elapsed = time.monotonic() - t0
         text = body if kind == "plain" else gzip.decompress(body)
-        down = text.count(b'kvledger_source_up{engine="e') - len(re.findall(rb'^kvledger_source_up\{engine="e\d+",source="ledger"\} 1', text, re.M))
+        up = re.findall(rb'^kvledger_source_up\{engine="e\d+",source="ledger"\} 1', text, re.M)
+        down = text.count(b'kvledger_source_up{engine="e') - len(up)
         conn.close()
         cpu = (end["cpu"] - start["cpu"]) / elapsed * 100
         return {"engines": engines, "cpu": cpu, "rss": peak["rss"], "threads": peak["threads"], "fds": peak["fds"],
