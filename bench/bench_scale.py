@@ -59,6 +59,7 @@ def raise_nofile(n: int) -> None:
 class _Engine(asyncio.Protocol):
     docs: ClassVar[list[bytes]] = []
     idle = False  # documents that never change: every poll after the first is answered 304
+    answered = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
@@ -70,6 +71,11 @@ class _Engine(asyncio.Protocol):
             head, _, self.buffer = self.buffer.partition(b"\r\n\r\n")
             line, *headers = head.split(b"\r\n")
             path = line.split(b" ")[1]
+            if path == b"/count":  # the polls answered so far (the bench's own question)
+                text = str(_Engine.answered).encode()
+                self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(text) + text)  # type: ignore[attr-defined]
+                continue
+            _Engine.answered += 1
             i = int(path.rsplit(b"/e", 1)[1] or 0)
             k = 0 if self.idle else (int(time.time()) + 7 * i) % TICKS
             etag = b'"r%d"' % k
@@ -116,6 +122,15 @@ def proc(pid: int) -> dict[str, float]:
 _LAST_SUCCESS = re.compile(rb'^kvledger_source_last_success_timestamp_seconds\{engine="e\d+",source="ledger"\} (\S+)$', re.M)
 
 
+def answered(port: int) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", "/count")
+        return int(conn.getresponse().read())
+    finally:
+        conn.close()
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -154,6 +169,7 @@ def run(engines: int, args: argparse.Namespace, engine_port: int, env: dict[str,
         lat: dict[str, list[float]] = {"plain": [], "gzip": [], "render": []}
         ages: list[float] = []
         size = {"plain": 0, "gzip": 0}
+        polls0 = answered(engine_port)
         start = proc(daemon.pid)
         t0 = time.monotonic()
         taken = None
@@ -184,12 +200,15 @@ def run(engines: int, args: argparse.Namespace, engine_port: int, env: dict[str,
             time.sleep(max(0.0, t0 + n * 1.0 - time.monotonic()))
         end = proc(daemon.pid)
         elapsed = time.monotonic() - t0
+        polls = answered(engine_port) - polls0
         text = body if kind == "plain" else gzip.decompress(body)
         up = re.findall(rb'^kvledger_source_up\{engine="e\d+",source="ledger"\} 1', text, re.M)
         down = text.count(b'kvledger_source_up{engine="e') - len(up)
         conn.close()
         cpu = (end["cpu"] - start["cpu"]) / elapsed * 100
-        return {"engines": engines, "cpu": cpu, "rss": peak["rss"], "threads": peak["threads"], "fds": peak["fds"],
+        return {"engines": engines, "cpu": cpu, "polls_per_s": polls / elapsed,
+                "ms_per_poll": (end["cpu"] - start["cpu"]) * 1000 / max(1, polls),
+                "rss": peak["rss"], "threads": peak["threads"], "fds": peak["fds"],
                 "plain_p50": pct(lat["plain"], 0.5), "plain_p99": pct(lat["plain"], 0.99),
                 "gzip_p50": pct(lat["gzip"], 0.5), "gzip_p99": pct(lat["gzip"], 0.99),
                 "render_p50": pct(lat["render"], 0.5), "render_max": max(lat["render"], default=float("nan")),
@@ -242,13 +261,16 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(10)
-    print("| engines | CPU % of a core (per 1,000 engines) | RSS MB (per engine, KB) | threads | fds | "
+    print("| engines | CPU % of a core | polls/s (of n/interval) | CPU ms per poll (1,000 engines / 5 s at that cost) | "
+          "RSS MB (per engine, KB) | threads | fds | "
           "scrape p50 / p99 ms, plain | gzip | first after a cycle p50 / max | body MB plain / gzip | "
           "freshness p50 / max s | down | load avg |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         n = r["engines"]
-        print(f"| {n:,} | {r['cpu']:.1f} ({r['cpu'] / n * 1000:.1f}) | {r['rss']:.0f} ({r['rss'] * 1024 / n:.0f}) | "
+        print(f"| {n:,} | {r['cpu']:.1f} | {r['polls_per_s']:.0f} ({n / args.interval:.0f}) | "
+              f"{r['ms_per_poll']:.2f} ({r['ms_per_poll'] * 1000 / args.interval / 10:.0f} % of a core) | "
+              f"{r['rss']:.0f} ({r['rss'] * 1024 / n:.0f}) | "
               f"{r['threads']:.0f} | {r['fds']:.0f} | {r['plain_p50']:.1f} / {r['plain_p99']:.1f} | "
               f"{r['gzip_p50']:.1f} / {r['gzip_p99']:.1f} | {r['render_p50']:.0f} / {r['render_max']:.0f} | "
               f"{r['size_plain']:.2f} / {r['size_gzip']:.2f} | {r['age_p50']:.1f} / {r['age_max']:.1f} | {r['down']} | "
