@@ -224,3 +224,66 @@ def test_version_comparison_without_int() -> None:
     assert [_at_least_1(v) for v in ("1", "1.0", "1.0.0", "01.00.000", "1.0.1", "0.9.9", "2", "1.0.0.0", "10")] == \
         [False, False, True, True, True, False, True, True, True]
     assert not _at_least_1("9" * 100) and not _at_least_1("1.x.0") and not _at_least_1("")
+
+
+_FD_SERVER = r"""
+import resource, socket, sys, time, os
+soft = int(sys.argv[1]); sources = int(sys.argv[2]); later = int(sys.argv[3])
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, soft))
+from kvledger.collect.collector import Collector
+from kvledger.collect.sources.base import Source
+from kvledger.web.server import KvledgerHTTPServer
+class Quiet(Source):
+    kind = "ledger"
+    def __init__(self, i): self.engine = f"e{i}"
+    def poll(self): raise RuntimeError("not polled here")
+collector = Collector([Quiet(i) for i in range(sources)])
+server = KvledgerHTTPServer("127.0.0.1:0", collector)
+held = [socket.socket() for _ in range(sources)]  # the engines' connections, opened once they are polled
+held += [open(os.devnull) for _ in range(later)]  # descriptors taken later by other parts of the process
+server.start()
+print(server.server_address[1], server.connections.limit, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("sources, later", [(450, 0), (0, 400)])
+def test_connections_never_fail_accept_for_want_of_descriptors(tmp_path: Any, sources: int, later: int) -> None:
+    """Under nofile 700: 450 engines' connections (before: the cap ignored them, announced 350
+    client connections and accept failed with EMFILE at about 230, idle eviction never
+    starting), or 400 descriptors taken after the start (accept fails: the cap is lowered and
+    idle connections closed to make room). Either way a new scraper gets its answer."""
+    import socket
+    import subprocess
+    import sys
+
+    import os
+    from pathlib import Path
+
+    import kvledger
+
+    env = dict(os.environ, PYTHONPATH=str(Path(kvledger.__file__).parents[1]))  # the tree under test
+    proc = subprocess.Popen([sys.executable, "-c", _FD_SERVER, "700", str(sources), str(later)], env=env,
+                            stdout=subprocess.PIPE, stderr=open(tmp_path / "log", "w"), text=True)
+    idle: list[socket.socket] = []
+    try:
+        assert proc.stdout is not None
+        port, cap = (int(x) for x in proc.stdout.readline().split())
+        for _ in range(450):  # idle connections, more than the server can hold
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.sendall(b"GET /-/healthy HTTP/1.1\r\nHost: x\r\n\r\n")
+            idle.append(s)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/-/healthy")
+        assert conn.getresponse().status == 200
+        conn.close()
+        log = (tmp_path / "log").read_text()
+        if sources:
+            assert cap < 700 - sources, (cap, log)
+        else:
+            assert "holding at most" in log, log
+    finally:
+        for s in idle:
+            s.close()
+        proc.kill()
+        proc.wait(10)
