@@ -253,11 +253,10 @@ def test_connections_never_fail_accept_for_want_of_descriptors(tmp_path: Any, so
     client connections and accept failed with EMFILE at about 230, idle eviction never
     starting), or 400 descriptors taken after the start (accept fails: the cap is lowered and
     idle connections closed to make room). Either way a new scraper gets its answer."""
+    import os
     import socket
     import subprocess
     import sys
-
-    import os
     from pathlib import Path
 
     import kvledger
