@@ -201,7 +201,7 @@ def _render(accounts: Accounts | None, headers: dict[str, str]) -> bytes:
 
 
 #: the families whose samples are each engine's alone (read from ``Accounts.engines`` only),
-#: in engine order: rendered once per engine account (``engine_lines``); tests/test_scrape_isolation.py
+#: in engine order: rendered once per engine account (``engine_lines``); tests/test_poll_scale.py
 #: checks that these families of a whole Accounts are their engines' lines joined
 ENGINE_FAMILIES = frozenset(
     spec.name for spec in CATALOG
@@ -244,9 +244,9 @@ def _family_lines(spec: MetricSpec, accounts: Accounts, *, check: bool) -> str:
     if len(prefixes) > MAX_PREFIXES:
         prefixes.clear()
     for labels, value in spec.samples(accounts):
-        if check:
+        if check and not -MAX_SAFE_INT <= value <= MAX_SAFE_INT:
             _check_value(spec, labels, value)
-        prefix = prefixes.get(labels)  # an engine family's prefixes were all made checked
+        prefix = prefixes.get(labels)  # made from Accounts the collector checked (check_renderable)
         if prefix is None:
             if check:
                 _check_labels(spec, labels)
@@ -303,15 +303,11 @@ def check_renderable(accounts: Accounts) -> None:
     tokens), a count of lost KV events or a reservation bound computed from them is only
     known here, after the policy. A larger value would be exported rounded (2**53 + 1 reads
     2**53): the engine is invalid instead."""
-    if len(accounts.engines) == 1:  # an engine alone (the collector's check): its lines are made and kept
-        engine_lines(accounts.engines[0], accounts)
-        specs = [spec for spec in CATALOG if spec.name not in ENGINE_FAMILIES]
-    else:
-        specs = list(CATALOG)
-    for spec in specs:
+    for spec in CATALOG:
         seen: set[object] = set()  # each distinct label value is checked once (they repeat: engine, pool, basis)
         for labels, value in spec.samples(accounts):
-            _check_value(spec, labels, value)
+            if not -MAX_SAFE_INT <= value <= MAX_SAFE_INT:  # NaN compares false too
+                _check_value(spec, labels, value)
             try:
                 seen.update(labels)
             except TypeError:
