@@ -90,10 +90,15 @@ def _close(source: Source) -> None:
 POLL_SPACING = 0.005
 
 
-#: threads polling sources (at most; fewer when there are fewer sources): a poll waits on
-#: the network or parses, and every HTTP exchange is bounded by its engine's timeout, so a
-#: few threads keep a thousand engines polled; more would only fight over the interpreter
-POLL_WORKERS = 16
+#: threads polling sources: one per SOURCES_PER_WORKER sources, at least MIN_POLL_WORKERS
+#: (or one per source, when fewer) and at most POLL_WORKERS. A poll waits on the network or
+#: parses, and every HTTP exchange is bounded by its engine's timeout, so a few threads keep
+#: a thousand engines polled (a healthy engine answers in milliseconds); more would fight
+#: over the interpreter lock. The floor leaves room for engines that answer slowly: a poll
+#: that waits its whole timeout holds a thread that long.
+POLL_WORKERS = 64
+MIN_POLL_WORKERS = 16
+SOURCES_PER_WORKER = 16
 
 
 def _timed_poll(r: _Runner, not_before: float = 0.0, budget: poll_budget.MemoryBudget | None = None) -> _PollOutcome:
@@ -166,7 +171,8 @@ class Collector:
         self.cycles = 0
 
     def _new_pool(self, sources: int) -> ThreadPoolExecutor:
-        self.workers = max(1, min(sources, self.poll_workers))
+        wanted = max(MIN_POLL_WORKERS, -(-sources // SOURCES_PER_WORKER))
+        self.workers = max(1, min(sources, wanted, self.poll_workers))
         return ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kvledger-poll")
 
     # ------------------------------------------------------------ public
