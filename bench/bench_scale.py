@@ -150,7 +150,7 @@ def run(engines: int, args: argparse.Namespace, engine_port: int, env: dict[str,
     daemon = subprocess.Popen([sys.executable, "-m", "kvledger.cli", "serve", "--config", str(cfg), "--listen",
                                f"127.0.0.1:{port}"], env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / "log", "w"))
     try:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -174,13 +174,20 @@ def run(engines: int, args: argparse.Namespace, engine_port: int, env: dict[str,
         t0 = time.monotonic()
         taken = None
         n = 0
+        failed = 0
         while time.monotonic() - t0 < args.seconds:
             kind = "gzip" if n % 2 else "plain"
             headers = {"Accept-Encoding": "gzip"} if kind == "gzip" else {}
             t = time.perf_counter()
-            conn.request("GET", "/metrics", headers=headers)
-            resp = conn.getresponse()
-            body = resp.read()
+            try:
+                conn.request("GET", "/metrics", headers=headers)
+                resp = conn.getresponse()
+                body = resp.read()
+            except OSError:  # no answer within the client's 60 s: counted, and a new connection
+                failed += 1
+                conn.close()
+                n += 1
+                continue
             ms = (time.perf_counter() - t) * 1000
             lat[kind].append(ms)
             size[kind] = len(body)
@@ -214,7 +221,7 @@ def run(engines: int, args: argparse.Namespace, engine_port: int, env: dict[str,
                 "render_p50": pct(lat["render"], 0.5), "render_max": max(lat["render"], default=float("nan")),
                 "size_plain": size["plain"] / 1e6, "size_gzip": size["gzip"] / 1e6,
                 "age_p50": statistics.median(ages) if ages else float("nan"), "age_max": max(ages, default=float("nan")),
-                "down": down}
+                "down": down, "failed": failed}
     finally:
         daemon.terminate()
         try:
@@ -264,8 +271,8 @@ def main() -> None:
     print("| engines | CPU % of a core | polls/s (of n/interval) | CPU ms per poll (1,000 engines / 5 s at that cost) | "
           "RSS MB (per engine, KB) | threads | fds | "
           "scrape p50 / p99 ms, plain | gzip | first after a cycle p50 / max | body MB plain / gzip | "
-          "freshness p50 / max s | down | load avg |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "freshness p50 / max s | down | scrapes failed | load avg |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         n = r["engines"]
         print(f"| {n:,} | {r['cpu']:.1f} | {r['polls_per_s']:.0f} ({n / args.interval:.0f}) | "
@@ -273,7 +280,7 @@ def main() -> None:
               f"{r['rss']:.0f} ({r['rss'] * 1024 / n:.0f}) | "
               f"{r['threads']:.0f} | {r['fds']:.0f} | {r['plain_p50']:.1f} / {r['plain_p99']:.1f} | "
               f"{r['gzip_p50']:.1f} / {r['gzip_p99']:.1f} | {r['render_p50']:.0f} / {r['render_max']:.0f} | "
-              f"{r['size_plain']:.2f} / {r['size_gzip']:.2f} | {r['age_p50']:.1f} / {r['age_max']:.1f} | {r['down']} | "
+              f"{r['size_plain']:.2f} / {r['size_gzip']:.2f} | {r['age_p50']:.1f} / {r['age_max']:.1f} | {r['down']} | {r['failed']} | "
               f"{r['load']:.2f} |")
 
 

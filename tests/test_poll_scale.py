@@ -308,3 +308,32 @@ def test_engine_families_are_each_engines_lines_made_once() -> None:
     assert out.render_openmetrics(accounts).startswith(b"# HELP")
     assert [e.rendered for e in accounts.engines] == kept and all(
         a is b for a, b in zip([e.rendered for e in accounts.engines], kept, strict=True))
+
+
+class Same(Source):
+    """An idle engine: the same contribution object at every poll (as a 304 keeps it)."""
+
+    kind = "ledger"
+
+    def __init__(self, engine: str) -> None:
+        self.engine = engine
+        self.contribution = facts(engine)
+
+    def poll(self) -> Contribution:
+        return self.contribution
+
+
+def test_an_idle_engines_merge_is_kept_until_its_configuration_changes() -> None:
+    source = Same("idle")
+    configured = [EngineFacts(name="idle", kind="ledger", source="ledger", admission="reserve-cap")]
+    c = Collector([source], base_engines=configured)
+    try:
+        first = c.poll_once().engines[0].facts
+        second = c.poll_once().engines[0].facts
+        assert second is first and first.admission == "reserve-cap"  # merged once, reused
+        changed = [EngineFacts(name="idle", kind="ledger", source="ledger", admission="dynamic")]
+        c.reconfigure([source], changed, {}, "per-request", 1.0, c.limits)
+        third = c.poll_once().engines[0].facts
+        assert third is not first and third.admission == "dynamic"
+    finally:
+        c.stop()

@@ -29,7 +29,14 @@ from kvledger.collect import poll_budget
 from kvledger.collect.accounting import AccountCache, EngineInputs, RenderCheck, account_snapshot
 from kvledger.collect.label_limits import LabelLimitError, LimitCounts
 from kvledger.collect.merge import apply_contribution
-from kvledger.collect.sources.base import Contribution, EngineContribution, GpuContribution, Source, SourceError
+from kvledger.collect.sources.base import (
+    Contribution,
+    EngineContribution,
+    GpuContribution,
+    Source,
+    SourceError,
+    engine_position,
+)
 from kvledger.collect.sources.http_client import redact_text
 from kvledger.config.model import LimitsConfig
 from kvledger.model.accounts import Accounts, ConfigReload
@@ -156,6 +163,8 @@ class Collector:
         self._pool = self._new_pool(len(self._runners))
         self._lock = threading.Lock()
         self._abandoned: set[Future[_PollOutcome]] = set()  # polls left stuck in a replaced pool
+        #: id(runner) -> (its primary contribution, the engine's configured facts, their merge) of the last cycle
+        self._merged: dict[int, tuple[Contribution, EngineFacts, EngineFacts]] = {}
         self._latest: Accounts | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -476,11 +485,17 @@ class Collector:
         primary: dict[str, _Runner] = {}
         applied: dict[str, list[Contribution]] = {}  # what was applied to each engine, in order
         contributions = [(r.latest.order, i, r) for i, r in enumerate(self._runners) if r.latest is not None]
+        bases: dict[str, EngineFacts] = {}  # the configured facts of each engine (the objects themselves)
+        for e in self.base_engines:
+            bases.setdefault(e.name, e)
+        merged: dict[int, tuple[Contribution, EngineFacts, EngineFacts]] = {}
+        touched: set[str] = set()  # engines something was applied to this cycle
         for _, _, r in sorted(contributions, key=lambda t: (t[0], t[1])):
             contribution = r.latest
             assert contribution is not None
             try:
-                apply_contribution(snapshot, contribution)
+                if not self._apply_merged(snapshot, r, contribution, bases, touched, merged):
+                    apply_contribution(snapshot, contribution)
             except Exception as exc:  # a malformed contribution fails its own source alone
                 self._invalid(r, exc)
                 continue
@@ -494,6 +509,7 @@ class Collector:
                     self._counted_generation[id(r)] = r.generation
                     fresh.add(name)
 
+        self._merged = merged
         configured: dict[str, EngineFacts] = {}
         for e in self.base_engines:
             configured.setdefault(e.name, e)
@@ -501,6 +517,32 @@ class Collector:
             e.name: EngineInputs(configured.get(e.name), tuple(applied.get(e.name, ()))) for e in snapshot.engines
         }
         return snapshot, inputs, primary, fresh
+
+    def _apply_merged(self, snapshot: Snapshot, r: _Runner, contribution: Contribution, bases: dict[str, EngineFacts],
+                      touched: set[str], merged: dict[int, tuple[Contribution, EngineFacts, EngineFacts]]) -> bool:
+        """Apply an engine's primary facts as last cycle's merge when they and the engine's
+        configured facts are the same objects as then (an idle engine: its 304 keeps the
+        contribution), and keep this cycle's merge for the next; False when not applied
+        here (``apply_contribution`` does it). Merging copies dataclasses field by field:
+        three copies per engine and cycle were most of an idle fleet's assembly."""
+        name = contribution.facts.name if isinstance(contribution, EngineContribution) else None
+        target = getattr(contribution, "engine", None) if name is None else name
+        if isinstance(target, str):
+            first = target not in touched
+            touched.add(target)
+        else:
+            return False
+        base = bases.get(target)
+        i = engine_position(snapshot, target)
+        if name is None or base is None or i is None or not first:
+            return False
+        last = self._merged.get(id(r))
+        if last is not None and last[0] is contribution and last[1] is base:
+            snapshot.engines[i] = last[2]
+        else:
+            apply_contribution(snapshot, contribution)
+        merged[id(r)] = (contribution, base, snapshot.engines[i])
+        return True
 
     def _count_invariants(self, engine: str, checks: list[str]) -> None:
         for check in checks:
