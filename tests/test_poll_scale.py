@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -287,9 +288,13 @@ def test_engine_families_are_each_engines_lines_made_once() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from workload import scrape_snapshot
 
+    from kvledger.collect.accounting import AccountCache, account_snapshot
+    from kvledger.config.model import LimitsConfig
     from kvledger.output import prometheus as out
     from kvledger.output.catalog import CATALOG
-    from kvledger.policy.engine_accounts import compute_accounts
+
+    def compute_accounts(snapshot: Any) -> Any:
+        return account_snapshot(snapshot, {}, LimitsConfig(), AccountCache(), out.check_renderable).accounts
 
     accounts = compute_accounts(scrape_snapshot(blocks=10_000))
     for spec in CATALOG:  # every engine family reads Accounts.engines alone
