@@ -18,8 +18,12 @@ Measured over ``--seconds`` after two cycles of warm-up, per fleet size:
   (``kvledger_source_last_success_timestamp_seconds``), p50 and max, against the interval;
 - the engines down at the end (none expected).
 
+``--in-process CYCLES``: instead, a collector in the bench's own process polls the engines
+CYCLES times, a second apart, and the CPU per poll is printed (no interval to keep, so the
+figure does not depend on how much CPU a loaded machine leaves the daemon).
+
 Run with the machine's load beside it (printed): nice .venv/bin/python bench/bench_scale.py
-[--engines 100,1000,3000] [--seconds 30] [--interval 5] [--requests 8] [--root PATH]
+[--engines 100,1000,3000] [--seconds 30] [--interval 5] [--requests 8] [--idle] [--in-process 3] [--root PATH]
 """
 
 from __future__ import annotations
@@ -230,6 +234,34 @@ def run(engines: int, args: argparse.Namespace, engine_port: int, env: dict[str,
             daemon.kill()
 
 
+def in_process(engines: int, port: int, cycles: int) -> tuple[float, float]:
+    """(CPU ms per poll, of which the collector's own thread) of ``cycles`` cycles of a
+    Collector in this process polling ``engines`` engines, each cycle a second apart (the
+    documents change every second): the per-engine cost whatever CPU the machine leaves
+    the process, since no interval has to be kept."""
+    from kvledger.collect.collector import Collector
+    from kvledger.collect.sources.registry import build_sources
+    from kvledger.config.loader import load_config
+
+    cfg = Path(tempfile.mkdtemp()) / "kvledger.yml"
+    lines = [f"  - {{name: e{i}, kind: ledger, url: 'http://127.0.0.1:{port}/e{i}'}}" for i in range(engines)]
+    cfg.write_text("interval_seconds: 5\nnvml: {enabled: false}\nengines:\n" + "\n".join(lines) + "\n")
+    sources, timeouts, base = build_sources(load_config(str(cfg)))
+    c = Collector(sources, base_engines=base, timeouts={k: 30.0 for k in timeouts}, interval=5)
+    try:
+        c.poll_once()
+        total = main = 0.0
+        for _ in range(cycles):
+            time.sleep(1.05)
+            t, m = time.process_time(), time.thread_time()
+            c.poll_once()
+            total += time.process_time() - t
+            main += time.thread_time() - m
+        return total / cycles / engines * 1000, main / cycles / engines * 1000
+    finally:
+        c.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engines", default="100,1000,3000")
@@ -238,6 +270,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--root", type=Path, default=ROOT, help="source tree whose exporter/ runs the daemon")
     ap.add_argument("--idle", action="store_true", help="documents that never change (answered 304)")
+    ap.add_argument("--in-process", type=int, metavar="CYCLES", help="CPU per poll of a collector in this process "
+                    "(no daemon, no interval to keep: the per-engine cost whatever the machine's load)")
     ap.add_argument("--serve-engines", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_engines:
@@ -259,6 +293,14 @@ def main() -> None:
               f"(1 / 5 min) at start; interval {args.interval:g} s, {args.seconds:g} s measured per size; "
               f"{args.requests} requests per engine, documents {'unchanged (304)' if args.idle else 'changing every second'}",
               flush=True)
+        if args.in_process:
+            sys.path.insert(0, str(args.root / "exporter"))
+            print("| engines | CPU ms per poll | of which the collector thread (assembly, accounting) | load avg |")
+            print("|---|---|---|---|")
+            for n in (int(x) for x in args.engines.split(",")):
+                per_poll, collector = in_process(n, engine_port, args.in_process)
+                print(f"| {n:,} | {per_poll:.2f} | {collector:.2f} | {os.getloadavg()[0]:.2f} |", flush=True)
+            return
         rows = []
         for n in (int(x) for x in args.engines.split(",")):
             r = run(n, args, engine_port, env)
