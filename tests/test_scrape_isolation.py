@@ -286,3 +286,21 @@ def test_connections_never_fail_accept_for_want_of_descriptors(tmp_path: Any, so
             s.close()
         proc.kill()
         proc.wait(10)
+
+
+def test_a_reload_that_adds_engines_lowers_the_connection_cap(collector: Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvledger.web import server as server_module
+
+    monkeypatch.setattr(server_module.resource, "getrlimit", lambda _r: (4096, 4096))
+    monkeypatch.setattr(server_module.resource, "setrlimit", lambda _r, _lim: None)
+    server = serve(collector)
+    try:
+        before = server.connections.limit
+        server.fit_sources(2000)  # as `kvledger serve` does after a reload
+        deadline = time.monotonic() + 5
+        while server.connections.limit == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.connections.limit <= before - 2000
+        assert get(server, "/-/healthy")[0] == 200
+    finally:
+        server.stop()

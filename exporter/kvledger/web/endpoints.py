@@ -185,7 +185,7 @@ class Endpoints:
                 body = json.dumps(accounts_to_json(latest, self.collector.health()), indent=1).encode()
                 return Response(200, body, (("Content-Type", "application/json"),))
 
-            return self.views.get(latest, path, accounts_view)
+            return self.views.get(latest, path, accounts_view)  # only with json_view on
         if path == "/":
             links = [("metrics", "/metrics"), ("-/healthy", "/-/healthy"), ("-/ready", "/-/ready")]
             if self.json_view:
@@ -199,7 +199,7 @@ class Endpoints:
                 messages = {(h.engine, h.source): m for h, m in self.collector.health()} if self.json_view else None
                 return json_response(ledger_document(accounts, self.json_view, messages), extra=accounts_header(accounts))
 
-            return self.views.get(accounts, path, ledger_view)
+            return self.views.get(accounts, f"{path} json_view={self.json_view}", ledger_view)
         if path == "/lab":
             return page("lab.html", [("./", "the ledger page"), ("metrics", "/metrics")])
         if path == "/lab/run.json":

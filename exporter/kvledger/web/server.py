@@ -206,6 +206,16 @@ class KvledgerHTTPServer:
         name = f"[{host}]" if ":" in host else host
         return f"{scheme}://{name}:{port}"
 
+    def fit_sources(self, sources: int) -> None:
+        """Hold the connections the open-file limit leaves beside ``sources`` polled sources
+        (after a reload changed them): the cap announced is what accept(2) can take."""
+        loop = self._loop
+        limit = connection_cap(self.limits, sources)
+        if loop is None:
+            self.connections.limit = limit
+        else:
+            loop.call_soon_threadsafe(self.connections.shrink, limit)
+
     def reload_web_config(self) -> bool:
         """Re-read the web config file and its certificates; a bad new file is logged and
         the old configuration kept (returns False)."""
