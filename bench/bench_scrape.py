@@ -15,6 +15,7 @@ Run: .venv/bin/python bench/bench_scrape.py
 
 from __future__ import annotations
 
+import gzip
 import statistics
 import sys
 import time
@@ -67,6 +68,35 @@ def main() -> None:
               f"render_text / generate_latest = {m['render_text'] / m['generate_latest']:.2f}; "
               f"render_openmetrics {m['render_openmetrics']:.2f} ms (/ render_text = {m['render_openmetrics'] / m['render_text']:.2f}); "
               f"a scrape from memory {m['from memory'] * 1000:.1f} us ({m['from memory'] / m['render_text']:.4f} of a render)")
+
+    fleet()
+
+
+def fleet(engines: int = 1000) -> None:
+    """A fleet's scrape (issue 31): ``engines`` engines of 8 requests in 4 tenants (about 5 MB
+    of text): the first render of new Accounts whose every engine changed (each engine's
+    lines made: ``engine_lines``), one whose engines' accounts were kept (idle engines:
+    their lines joined), and the gzip of the body; thread CPU, medians of 5."""
+    snapshot = scrape_snapshot(engines=engines, gpus=8, tenants=4, requests=8 * engines, blocks=10_000)
+    changed: list[float] = []
+    kept: list[float] = []
+    zipped: list[float] = []
+    body = b""
+    for _ in range(5):
+        # new accounts: no engine's lines made yet
+        accounts = account_snapshot(snapshot, {}, LimitsConfig(), AccountCache(), check_renderable).accounts
+        t = time.thread_time()
+        body = render_text(accounts)
+        changed.append((time.thread_time() - t) * 1000)
+        t = time.thread_time()
+        render_text(accounts)
+        kept.append((time.thread_time() - t) * 1000)
+        t = time.thread_time()
+        gzip.compress(body, compresslevel=1, mtime=0)
+        zipped.append((time.thread_time() - t) * 1000)
+    print(f"{engines:,} engines, {len(body) / 1e6:.2f} MB of text: first render with every engine changed "
+          f"{statistics.median(changed):.0f} ms, with every engine's account kept {statistics.median(kept):.1f} ms, "
+          f"gzip (level 1) {statistics.median(zipped):.1f} ms")
 
 
 if __name__ == "__main__":

@@ -370,3 +370,44 @@ def test_a_stopped_ledger_server_ends_its_kept_connections() -> None:
     finally:
         client.close()
         server.stop()
+
+
+# ---------------------------------------------------------------- TLS failures name the check (issue 31)
+
+
+def _leaf(directory: Path, name: str, ca: tuple[Path, Path] | None, days: int) -> tuple[Path, Path]:
+    """A server certificate for IP:127.0.0.1 and DNS:localhost valid ``days`` (negative:
+    expired), signed by ``ca``, or self-signed when ``ca`` is None."""
+    from tls_support import _openssl
+
+    cert, key, csr, ext = (directory / f"{name}.{x}" for x in ("crt", "key", "csr", "ext"))
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n")
+    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-subj", f"/CN={name}",
+             "-keyout", str(key), "-out", str(csr), cwd=directory)
+    signer = ["-CA", str(ca[0]), "-CAkey", str(ca[1]), "-CAcreateserial"] if ca else ["-key", str(key)]
+    _openssl("x509", "-req", "-in", str(csr), *signer, "-days", str(days), "-extfile", str(ext), "-out", str(cert),
+             cwd=directory)
+    return cert, key
+
+
+def test_a_refused_engine_certificate_names_the_check_that_failed(tmp_path: Path, pki: Pki) -> None:
+    """Before: every case read "TLS handshake failed: CERTIFICATE_VERIFY_FAILED" alone."""
+    from tls_support import make_ca
+
+    ca = make_ca(tmp_path / "pki", "ca")
+    expired = _leaf(tmp_path / "pki", "expired", ca, -1)
+    self_signed = _leaf(tmp_path / "pki", "self", None, 2)
+    cases = [
+        (expired, {"ca_file": str(ca[0])}, "has expired"),
+        (self_signed, {}, "self-signed"),
+        ((pki.server_cert, pki.server_key), {"ca_file": str(pki.ca), "server_name": "engine.example"},
+         "does not name 'engine.example' (hostname mismatch"),
+        ((pki.server_cert, pki.server_key), {}, "no tls_config.ca_file is set"),
+        ((pki.server_cert, pki.server_key), {"ca_file": str(ca[0])}, f"not trusted by tls_config.ca_file {ca[0]}"),
+    ]
+    for cert, tls, check in cases:
+        with SecureEngine(server_cert=cert) as engine:
+            keys = {"tls_config": tls} if tls else {}
+            err = failure(engine_config(tmp_path, engine.url, **keys))
+            assert err.reason == "connect", err
+            assert "CERTIFICATE_VERIFY_FAILED" in err.message and check in err.message, err.message

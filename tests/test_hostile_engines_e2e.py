@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -370,3 +371,79 @@ engines:
         for x in (stamp, summed, huge, events_metrics, llama):
             x.stop()
         pub.close()
+
+
+# ---------------------------------------------------------------- round three (issue 31): the server and the fleet
+
+
+def _get(url: str, headers: dict[str, str] | None = None, timeout: float = 30) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _proc_status(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field}")
+
+
+def test_round_three_pages_accept_memory_and_a_fleet(
+    tmp_path: Path, engines: tuple[LedgerServer, HostileEngine, SimEngine]
+) -> None:
+    """Every class of the third probe that the server and the collector answer, at once:
+    - a flood of distinct lab runs and JSON views beside scrapes: every scrape answered 200,
+      lab runs 200 or 503 (at most ``lab_queue`` at a time, in a worker process);
+    - Accept ``version=`` of 5,000 digits: answered (text format), no traceback in the log;
+    - a 3 MiB answer over a 16 MiB memory budget beside answers in flight: refused naming
+      the budget, the healthy engine fresh;
+    - 120 engines polled by a bounded number of threads (before: one thread each), their
+      connections counted in the descriptors the daemon announced."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    good, hostile, sim = engines
+    hostile.body = json.dumps(sim.document()).encode() + b" " * (3 << 20)  # 3 MiB: x8 for its parse, 24 MiB
+    fleet = "".join(f'  - {{name: f{i}, kind: ledger, url: "{good.url}", timeout_seconds: 2}}\n' for i in range(120))
+    cfg = tmp_path / "kvledger.yml"
+    cfg.write_text(f"""
+interval_seconds: 1
+json_view: true
+nvml: {{enabled: false}}
+limits: {{memory_budget_bytes: 16MiB}}
+engines:
+  - {{name: good, kind: ledger, url: "{good.url}", timeout_seconds: 2}}
+  - {{name: hostile, kind: ledger, url: "{hostile.url}", timeout_seconds: 2}}
+{fleet}""")
+    with run_serve(tmp_path, cfg) as daemon:
+        samples = until(daemon, "hostile refused by the memory budget, good up",
+                        lambda s: up(s, "good") == 1 and errors(s, "hostile", "too_large") >= 1, timeout=60)
+        assert up(samples, "hostile") == 0
+        status, body = _get(daemon.url + "/api/v1/accounts")
+        assert status == 200
+        hostile_health = [h for h in json.loads(body)["sources"] if h["engine"] == "hostile"]
+        assert hostile_health and "memory budget" in json.dumps(hostile_health)
+        until(daemon, "the fleet up", lambda s: all(up(s, f"f{i}") == 1 for i in range(120)), timeout=60)
+        threads = _proc_status(daemon.process.pid, "Threads")
+        assert threads < 60, f"{threads} threads for 122 engines"
+
+        # a flood of lab runs and JSON views beside scrapes
+        lab = [f"/lab/run.json?capacity={c}&working_set={c + 90}" for c in range(2, 34)]
+        with ThreadPoolExecutor(24) as pool:
+            floods = [pool.submit(_get, daemon.url + q) for q in lab]
+            floods += [pool.submit(_get, daemon.url + "/ui/ledger.json") for _ in range(32)]
+            scrapes = [_get(daemon.url + "/metrics", {"Accept-Encoding": "gzip"}) for _ in range(10)]
+            results = [f.result(timeout=120) for f in floods]
+        assert {s for s, _ in scrapes} == {200}
+        assert {s for s, _ in results[:len(lab)]} <= {200, 503} and any(s == 200 for s, _ in results[:len(lab)])
+        assert {s for s, _ in results[len(lab):]} <= {200, 503}
+
+        # an Accept version of thousands of digits
+        for media in ("text/plain", "application/openmetrics-text"):
+            status, body = _get(daemon.url + "/metrics", {"Accept": f"{media};version={'9' * 5000}"})
+            assert status == 200 and b"kvledger_source_up" in body
+        log = daemon.process.log_tail(200_000)
+        assert "never retrieved" not in log and "Traceback" not in log

@@ -405,16 +405,20 @@ def test_connection_cap_fits_the_open_file_limit(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(server_module.resource, "getrlimit", lambda _r: (1024, 4096))
     monkeypatch.setattr(server_module.resource, "setrlimit", lambda _r, lim: calls.append(lim))
     limits = ServerLimits(max_connections=10_000, backlog=1024)
-    # the soft limit is raised toward the hard one; the cap is what the hard one holds
+    # the soft limit is raised toward the hard one; the cap is what the hard one holds beside
+    # the descriptors open now and one kept-alive connection per polled source
     with caplog.at_level("WARNING", logger="kvledger.web.server"):
-        assert server_module.connection_cap(limits) == 4096 - 1024 - server_module.FD_RESERVE
+        assert server_module.connection_cap(limits, sources=0, open_fds=20) == 4096 - 20 - server_module.FD_RESERVE
     assert calls == [(4096, 4096)] and "open-file limit 4096" in caplog.text
-    monkeypatch.setattr(server_module.resource, "getrlimit", lambda _r: (1024, 1024))
-    assert server_module.connection_cap(limits) == 512  # never less than half the descriptors
+    monkeypatch.setattr(server_module.resource, "getrlimit", lambda _r: (1400, 1400))
+    # issue 31: 1,000 engines under nofile 1,400 left room for about 400 clients, not the 700
+    # announced (half the descriptors): the cap counts the sources' connections
+    assert server_module.connection_cap(limits, sources=1000, open_fds=20) == 1400 - 20 - 1000 - server_module.FD_RESERVE
+    assert server_module.connection_cap(limits, sources=2000, open_fds=20) == server_module.MIN_CONNECTIONS
     monkeypatch.setattr(server_module.resource, "getrlimit", lambda _r: (1024, resource.RLIM_INFINITY))
     calls.clear()
-    assert server_module.connection_cap(limits) == 10_000 and calls == [(10_000 + 1024 + server_module.FD_RESERVE,
-                                                                          resource.RLIM_INFINITY)]
+    assert server_module.connection_cap(limits, sources=5, open_fds=20) == 10_000
+    assert calls == [(10_000 + 20 + 5 + server_module.FD_RESERVE, resource.RLIM_INFINITY)]
 
 
 def _auth_server(collector: Collector, tmp_path: Path, **limits: object) -> KvledgerHTTPServer:

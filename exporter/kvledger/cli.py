@@ -319,6 +319,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.endpoints = dataclasses.replace(server.endpoints, json_view=new.json_view)
         server.reload_web_config()  # certificates and users; the file's path is read at start
         collector.config_reload = ConfigReload(True, time.time())
+        server.fit_sources(len(sources))  # the connection cap counts the sources' connections
         if collector.reconfigure(sources, base, timeouts, new.sharing, new.interval_seconds, new.limits):
             log.info("configuration reloaded: %d engine(s)", len(new.engines))
         else:

@@ -22,13 +22,21 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+from kvledger.collect import poll_budget
 from kvledger.collect.accounting import AccountCache, EngineInputs, RenderCheck, account_snapshot
 from kvledger.collect.label_limits import LabelLimitError, LimitCounts
 from kvledger.collect.merge import apply_contribution
-from kvledger.collect.sources.base import Contribution, EngineContribution, GpuContribution, Source, SourceError
+from kvledger.collect.sources.base import (
+    Contribution,
+    EngineContribution,
+    GpuContribution,
+    Source,
+    SourceError,
+    engine_position,
+)
 from kvledger.collect.sources.http_client import redact_text
 from kvledger.config.model import LimitsConfig
 from kvledger.model.accounts import Accounts, ConfigReload
@@ -43,6 +51,8 @@ class _PollOutcome:
     contribution: Contribution | None
     error: SourceError | None
     duration: float
+    #: what the poll was doing past its answer when it ended (``PollContext.phase``)
+    phase: str | None = None
     #: the exception a source raised unexpectedly (a bug of ours): logged with its
     #: traceback once, when the failure changes (``Collector._mark_down``)
     unexpected: BaseException | None = None
@@ -55,7 +65,9 @@ class _Runner:
     health: SourceHealth
     latest: Contribution | None = None
     future: Future[_PollOutcome] | None = None
-    started: float = 0.0
+    started: float = 0.0  # when the poll in flight started running (a queued one has not)
+    running: bool = False
+    context: poll_budget.PollContext | None = None  # the poll in flight's, once it runs
     timed_out: bool = False
     generation: int = 0  # successful polls so far
     message: str | None = None  # the full text of the latest failure
@@ -85,18 +97,36 @@ def _close(source: Source) -> None:
 POLL_SPACING = 0.005
 
 
-def _timed_poll(source: Source, delay: float = 0.0) -> _PollOutcome:
+#: threads polling sources: one per SOURCES_PER_WORKER sources, at least MIN_POLL_WORKERS
+#: (or one per source, when fewer) and at most POLL_WORKERS. A poll waits on the network or
+#: parses, and every HTTP exchange is bounded by its engine's timeout, so a few threads keep
+#: a thousand engines polled (a healthy engine answers in milliseconds); more would fight
+#: over the interpreter lock. The floor leaves room for engines that answer slowly: a poll
+#: that waits its whole timeout holds a thread that long.
+POLL_WORKERS = 64
+MIN_POLL_WORKERS = 16
+SOURCES_PER_WORKER = 16
+
+
+def _timed_poll(r: _Runner, not_before: float = 0.0, budget: poll_budget.MemoryBudget | None = None) -> _PollOutcome:
+    delay = not_before - time.monotonic()
     if delay > 0:
         time.sleep(delay)
     start = time.monotonic()
+    context = poll_budget.begin(budget)
+    r.context = context
+    r.started = start
+    r.running = True
     try:
-        contribution = source.poll()
-        return _PollOutcome(contribution, None, time.monotonic() - start)
+        contribution = r.source.poll()
+        return _PollOutcome(contribution, None, time.monotonic() - start, context.phase(r.timeout))
     except SourceError as exc:
-        return _PollOutcome(None, exc, time.monotonic() - start)
+        return _PollOutcome(None, exc, time.monotonic() - start, context.phase(r.timeout))
     except Exception as exc:  # a bug in a source must not stop the others: report it as one
         error = SourceError("internal", f"{type(exc).__name__}: {exc}")
         return _PollOutcome(None, error, time.monotonic() - start, unexpected=exc)
+    finally:
+        poll_budget.end(context)
 
 
 @dataclass
@@ -116,14 +146,25 @@ class Collector:
     #: the wall clock of the timestamps it exports (last successes, the snapshot's time); a
     #: simulated demo run faster than real time passes its own (tests/test_demo_quiet.py)
     clock: Callable[[], float] = time.time
+    #: the most threads polling at once (``POLL_WORKERS``); a slow source holds one for at
+    #: most its timeout
+    poll_workers: int = POLL_WORKERS
+    #: the memory budget of engine answers in flight (``poll_budget.BUDGET`` by default)
+    budget: poll_budget.MemoryBudget | None = None
 
     def __post_init__(self) -> None:
+        if self.budget is None:
+            self.budget = poll_budget.BUDGET
+        self.budget.total = self.limits.memory_budget_bytes
         self._runners = [
             _Runner(s, self.timeouts.get(id(s), self.default_timeout), SourceHealth(s.engine, s.kind, up=False, reason="not polled yet"))
             for s in self.sources
         ]
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self._runners)), thread_name_prefix="kvledger-poll")
+        self._pool = self._new_pool(len(self._runners))
         self._lock = threading.Lock()
+        self._abandoned: set[Future[_PollOutcome]] = set()  # polls left stuck in a replaced pool
+        #: id(runner) -> (its primary contribution, the engine's configured facts, their merge) of the last cycle
+        self._merged: dict[int, tuple[Contribution, EngineFacts, EngineFacts]] = {}
         self._latest: Accounts | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -137,6 +178,11 @@ class Collector:
         self._cache = AccountCache()
         self._cycle_error: str | None = None  # the accounting failure last logged
         self.cycles = 0
+
+    def _new_pool(self, sources: int) -> ThreadPoolExecutor:
+        wanted = max(MIN_POLL_WORKERS, -(-sources // SOURCES_PER_WORKER))
+        self.workers = max(1, min(sources, wanted, self.poll_workers))
+        return ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kvledger-poll")
 
     # ------------------------------------------------------------ public
 
@@ -193,8 +239,10 @@ class Collector:
         self.sharing = change.sharing
         self.interval = change.interval
         self.limits = change.limits
+        if self.budget is not None:
+            self.budget.total = change.limits.memory_budget_bytes
         self._pool.shutdown(wait=False)  # polls in flight finish there
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(runners)), thread_name_prefix="kvledger-poll")
+        self._pool = self._new_pool(len(runners))
         engines = {s.engine for s in change.sources} | {e.name for e in change.base_engines}
         self._invariant_totals = {k: v for k, v in self._invariant_totals.items() if k[0] in engines}
         self._limited_totals = {k: v for k, v in self._limited_totals.items() if k[0] in engines}
@@ -225,7 +273,8 @@ class Collector:
         deadline = time.monotonic() + max((r.timeout for r in self._runners), default=0.0)
         while any(r.future is not None for r in self._runners) and time.monotonic() < deadline:
             pending = [r.future for r in self._runners if r.future is not None]
-            wait(pending, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED)
+            # harvested every tenth of a second, not at each completion (that was quadratic in the sources)
+            wait(pending, timeout=min(0.1, max(0.0, deadline - time.monotonic())))
             self._harvest()
         self._harvest(force_timeouts=True)
         return self._account()
@@ -268,13 +317,35 @@ class Collector:
         lock while they read their answers, which cost a third more CPU per fetch than
         the same fetches one after the other (docs/performance.md)."""
         now = time.monotonic()
+        self._replace_stuck_pool(now)
         idle = [r for r in self._runners if r.future is None]
         spacing = min(POLL_SPACING, 0.1 * self.interval / max(1, len(idle)))
         for i, r in enumerate(idle):
-            delay = i * spacing
-            r.started = now + delay
+            r.started = now + i * spacing
+            r.running = False
+            r.context = None
             r.timed_out = False
-            r.future = self._pool.submit(_timed_poll, r.source, delay)
+            r.future = self._pool.submit(_timed_poll, r, r.started, self.budget)
+
+    def _replace_stuck_pool(self, now: float) -> None:
+        """Every poll but an HTTP fetch's own is bounded by its source alone: when half the
+        poll threads hold polls stuck past twice their timeout (a source blocked where no
+        deadline reaches), new polls go to a fresh pool and the stuck ones end in the old
+        one, so the other engines keep being polled; logged each time."""
+        self._abandoned = {f for f in self._abandoned if not f.done()}
+        stuck = [r for r in self._runners if r.future is not None and r.future not in self._abandoned
+                 and r.running and now - r.started > 2 * r.timeout]
+        if len(stuck) < max(1, self.workers // 2):
+            return
+        self._abandoned.update(r.future for r in stuck if r.future is not None)
+        names = ", ".join(f"{r.source.engine or '-'}/{r.source.kind}" for r in stuck[:5])
+        log.warning("%d polls stuck past twice their timeout (%s%s): the other sources are polled by new threads",
+                    len(stuck), names, ", ..." if len(stuck) > 5 else "")
+        self._pool.shutdown(wait=False, cancel_futures=True)  # the polls queued there are submitted again
+        self._pool = self._new_pool(len(self._runners))
+        for r in self._runners:
+            if r.future is not None and r.future.cancelled():
+                r.future = None
 
     def _harvest(self, force_timeouts: bool = False) -> None:
         now = time.monotonic()
@@ -284,8 +355,13 @@ class Collector:
             if r.future.done():
                 outcome = r.future.result()
                 r.future = None
+                r.running = False
                 r.health.duration_seconds = outcome.duration
-                if outcome.error is None:
+                if outcome.error is None and outcome.duration > r.timeout and outcome.phase is not None:
+                    # answered in time but read too slowly: down, saying so, at every such poll (never up
+                    # between two of them): the engine's series are more than its timeout can read
+                    self._mark_down(r, "timeout", outcome.phase)
+                elif outcome.error is None:
                     r.latest = outcome.contribution
                     r.generation += 1
                     r.health.up = True
@@ -296,9 +372,18 @@ class Collector:
                     r.health.refresh_interval_steps = r.source.refresh_interval_steps()
                 else:
                     self._mark_down(r, outcome.error.reason, outcome.error.message, outcome.unexpected)
-            elif (force_timeouts or now - r.started > r.timeout) and not r.timed_out:
+            elif (force_timeouts or (r.running and now - r.started > r.timeout)) and not r.timed_out:
                 r.timed_out = True
-                self._mark_down(r, "timeout", f"no answer within {r.timeout:g} s")
+                context = r.context if r.running else None
+                phase = context.phase(r.timeout) if context is not None else None
+                if phase is not None and context is not None:
+                    log.debug("source %s/%s: %s", r.source.engine or "-", r.source.kind, context.detail(now))
+                    self._mark_down(r, "timeout", phase)
+                elif r.running:
+                    self._mark_down(r, "timeout", f"no answer within {r.timeout:g} s")
+                else:
+                    self._mark_down(r, "timeout", f"not polled within {r.timeout:g} s: every one of the "
+                                    f"{self.workers} poll threads was busy with slower sources")
 
     def _mark_down(self, r: _Runner, reason: str, message: str, unexpected: BaseException | None = None) -> None:
         """Mark ``r`` down and count the failure (every one, in its reason's counter). It is
@@ -402,11 +487,17 @@ class Collector:
         primary: dict[str, _Runner] = {}
         applied: dict[str, list[Contribution]] = {}  # what was applied to each engine, in order
         contributions = [(r.latest.order, i, r) for i, r in enumerate(self._runners) if r.latest is not None]
+        bases: dict[str, EngineFacts] = {}  # the configured facts of each engine (the objects themselves)
+        for e in self.base_engines:
+            bases.setdefault(e.name, e)
+        merged: dict[int, tuple[Contribution, EngineFacts, EngineFacts]] = {}
+        touched: set[str] = set()  # engines something was applied to this cycle
         for _, _, r in sorted(contributions, key=lambda t: (t[0], t[1])):
             contribution = r.latest
             assert contribution is not None
             try:
-                apply_contribution(snapshot, contribution)
+                if not self._apply_merged(snapshot, r, contribution, bases, touched, merged):
+                    apply_contribution(snapshot, contribution)
             except Exception as exc:  # a malformed contribution fails its own source alone
                 self._invalid(r, exc)
                 continue
@@ -420,6 +511,7 @@ class Collector:
                     self._counted_generation[id(r)] = r.generation
                     fresh.add(name)
 
+        self._merged = merged
         configured: dict[str, EngineFacts] = {}
         for e in self.base_engines:
             configured.setdefault(e.name, e)
@@ -427,6 +519,32 @@ class Collector:
             e.name: EngineInputs(configured.get(e.name), tuple(applied.get(e.name, ()))) for e in snapshot.engines
         }
         return snapshot, inputs, primary, fresh
+
+    def _apply_merged(self, snapshot: Snapshot, r: _Runner, contribution: Contribution, bases: dict[str, EngineFacts],
+                      touched: set[str], merged: dict[int, tuple[Contribution, EngineFacts, EngineFacts]]) -> bool:
+        """Apply an engine's primary facts as last cycle's merge when they and the engine's
+        configured facts are the same objects as then (an idle engine: its 304 keeps the
+        contribution), and keep this cycle's merge for the next; False when not applied
+        here (``apply_contribution`` does it). Merging copies dataclasses field by field:
+        three copies per engine and cycle were most of an idle fleet's assembly."""
+        name = contribution.facts.name if isinstance(contribution, EngineContribution) else None
+        target = getattr(contribution, "engine", None) if name is None else name
+        if isinstance(target, str):
+            first = target not in touched
+            touched.add(target)
+        else:
+            return False
+        base = bases.get(target)
+        i = engine_position(snapshot, target)
+        if name is None or base is None or i is None or not first:
+            return False
+        last = self._merged.get(id(r))
+        if last is not None and last[0] is contribution and last[1] is base:
+            snapshot.engines[i] = last[2]
+        else:
+            apply_contribution(snapshot, contribution)
+        merged[id(r)] = (contribution, base, snapshot.engines[i])
+        return True
 
     def _count_invariants(self, engine: str, checks: list[str]) -> None:
         for check in checks:

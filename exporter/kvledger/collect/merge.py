@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TypeVar
 
-from kvledger.collect.sources.base import Contribution, EngineContribution, find_engine
+from kvledger.collect.sources.base import Contribution, EngineContribution, engine_position
 from kvledger.config.engine_kinds import KINDS
 from kvledger.config.model import EngineConfig
 from kvledger.model.facts import Budgets, EngineFacts, HostFacts, Limit, MemoryTerm, Snapshot, TenantQuota
@@ -117,9 +117,9 @@ def apply_contribution(snapshot: Snapshot, contribution: Contribution) -> None:
     """Apply one source's contribution to the Snapshot being assembled: an engine's primary
     facts merged over its configured facts (``merge``); any other (a patch, the GPUs) applies itself."""
     if isinstance(contribution, EngineContribution):
-        base = find_engine(snapshot, contribution.facts.name)
-        if base is not None:
-            snapshot.engines[snapshot.engines.index(base)] = merge(contribution.facts, base)
+        i = engine_position(snapshot, contribution.facts.name)
+        if i is not None:
+            snapshot.engines[i] = merge(contribution.facts, snapshot.engines[i])
         else:
             snapshot.engines.append(dataclasses.replace(contribution.facts))
     else:

@@ -34,6 +34,7 @@ from kvledger.config.model import (
     DEFAULT_MAX_POOLS,
     DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_MAX_TENANTS,
+    DEFAULT_MEMORY_BUDGET_BYTES,
     DEFAULT_TIMEOUT,
     MAX_INTERVAL,
     MAX_TIMEOUT,
@@ -568,6 +569,7 @@ def _engine(r: MappingReader, names: set[str]) -> EngineConfig:
         host=host,
         tenants=tuple(tenants),
         max_response_bytes=r.get("max_response_bytes", _response_limit, DEFAULT_MAX_RESPONSE_BYTES),
+        max_response_lines=r.get("max_response_lines", _line_limit, None),
         authorization=authorization,
         basic_auth=basic_auth,
         tls_config=tls_config,
@@ -601,6 +603,7 @@ def config_from_mapping(data: object, file: str = "<config>") -> Config:
             lim.get("tenants_per_engine", _pos_int, DEFAULT_MAX_TENANTS),
             lim.get("pools_per_engine", _pos_int, DEFAULT_MAX_POOLS),
             lim.get("label_value_length", _label_length, DEFAULT_MAX_LABEL_LENGTH),
+            lim.get("memory_budget_bytes", _memory_budget, DEFAULT_MEMORY_BUDGET_BYTES),
         )
         lim.finish()
     # checked at load: a missing file is named with the key that points to it
@@ -627,6 +630,17 @@ def _engine_keys() -> frozenset[str]:
     the kinds' own keys, checked against the engine's kind by ``_engine``)."""
     general = {f.name for f in fields(EngineConfig)} - {"options"}
     return frozenset(general | set(kind_specific_keys()))
+
+
+def _memory_budget(value: Any) -> int:
+    size = parse_size(value)
+    if not 1 << 20 <= size <= 1 << 40:
+        raise ValueError(f"must be between 1MiB and 1TiB, got {value!r}")
+    return size
+
+
+def _line_limit(value: Any) -> int:
+    return _pos_int(value, 10_000_000)
 
 
 def _response_limit(value: Any) -> int:

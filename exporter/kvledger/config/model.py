@@ -21,6 +21,8 @@ DEFAULT_LISTEN = "0.0.0.0:9477"
 DEFAULT_INTERVAL = 1.0
 DEFAULT_TIMEOUT = 2.0
 DEFAULT_MAX_RESPONSE_BYTES = 16 << 20
+#: the memory engine answers in flight may hold, all engines together (kvledger.collect.poll_budget)
+DEFAULT_MEMORY_BUDGET_BYTES = 256 << 20
 DEFAULT_MAX_TENANTS = 100
 DEFAULT_MAX_POOLS = 64
 DEFAULT_MAX_LABEL_LENGTH = 128
@@ -162,6 +164,8 @@ class EngineConfig:
     host: HostConfig = field(default_factory=HostConfig)
     tenants: tuple[TenantConfig, ...] = ()
     max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
+    #: the most lines of Prometheus text read from one answer (None: MAX_TEXT_LINES)
+    max_response_lines: int | None = None
     #: how its HTTP sources authenticate and verify the engine (Prometheus scrape_config's keys)
     authorization: AuthorizationConfig | None = None
     basic_auth: BasicAuthConfig | None = None
@@ -186,6 +190,8 @@ class LimitsConfig:
     tenants_per_engine: int = DEFAULT_MAX_TENANTS  # configured tenants always count first
     pools_per_engine: int = DEFAULT_MAX_POOLS
     label_value_length: int = DEFAULT_MAX_LABEL_LENGTH
+    #: bytes engine answers may hold while they stream in and are parsed, all engines together
+    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
 
 
 @dataclass(frozen=True)

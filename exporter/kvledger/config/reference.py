@@ -48,6 +48,9 @@ MEANING: dict[str, str] = {
     "limits.tenants_per_engine": "tenants beyond this many are dropped (sorted by name) and counted",
     "limits.pools_per_engine": "an engine reporting more pools has its facts refused (source down, reason invalid)",
     "limits.label_value_length": "longer label values from engine data are shortened to a prefix and a hash, 16 to 4096",
+    "limits.memory_budget_bytes": "engine answers in flight and their parses, all engines together (an answer counts "
+                                  "8x its size: its body and its parse); one that does not fit is refused (reason "
+                                  "too_large) and asked again next cycle, 1MiB to 1TiB",
     "web_config_file": "exporter-toolkit web configuration (TLS, basic auth), relative to this file; checked at load",
     "engines[].name": "the `engine` label; unique",
     "engines[].kind": "the engine kind (docs/engines/)",
@@ -74,6 +77,8 @@ MEANING: dict[str, str] = {
     "engines[].tenants[].name": "the `tenant` label",
     "engines[].tenants[].quota_bytes": "the tenant's KV quota",
     "engines[].max_response_bytes": "a larger answer is refused (reason too_large), 4KiB to 1GiB",
+    "engines[].max_response_lines": "an answer of Prometheus text with more lines is refused while it streams in "
+                                    "(reason too_large), before any parse; 50,000 by default, 1 to 10,000,000",
     "engines[].authorization.type": "the Authorization header's type (Basic is basic_auth's)",
     "engines[].authorization.credentials": "the credentials, inline (or credentials_file, not both)",
     "engines[].authorization.credentials_file": "a file holding the credentials, read at every request (rotation)",

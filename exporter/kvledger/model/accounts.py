@@ -95,6 +95,10 @@ class EngineAccount:
     # the constraint that binds now and those that took part (policy/saturation.py)
     binding: str | None = None
     binding_candidates: frozenset[str] = frozenset()
+    #: this engine's sample lines in each engine family, as the exposition writes them
+    #: (kvledger.output.prometheus.engine_lines): made once per account, by the first render
+    #: that shows it; an account kept from cycle to cycle (an idle engine) is not rendered again
+    rendered: dict[str, str] | None = field(default=None, compare=False, repr=False)
 
     @property
     def name(self) -> str:

@@ -65,7 +65,8 @@ REASONS: dict[str, str] = {
     "connect": "the engine could not be reached (refused, unreachable, DNS, TLS handshake)",
     "timeout": "no complete answer within timeout_seconds (connect, headers and body together)",
     "http_status": "the engine answered with a status other than 200 (401: it refused the credentials)",
-    "too_large": "the answer was over max_response_bytes, or Prometheus text over 50,000 lines; refused before it is parsed",
+    "too_large": "the answer was over max_response_bytes, or Prometheus text over max_response_lines (50,000 by default), "
+                 "or it did not fit beside the other engines' answers in limits.memory_budget_bytes; refused before it is parsed",
     "parse": "the answer is not what the kind reads (not Prometheus text, not JSON, a broken value)",
     "schema": "a kvledger/v1 document that breaks its schema",
     "missing": "a series the kind needs is absent from the engine's /metrics",

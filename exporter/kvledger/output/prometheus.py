@@ -24,7 +24,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as openmetr
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from kvledger.model.accounts import Accounts
+from kvledger.model.accounts import Accounts, EngineAccount
 from kvledger.model.limits import MAX_SAFE_INT
 from kvledger.output.catalog import CATALOG, MetricSpec
 
@@ -136,13 +136,23 @@ def negotiate(accept: str) -> tuple[str, str]:
     return TEXT, TEXT_CONTENT_TYPE
 
 
+#: a longer version parameter is not read (not a version this exporter can name back)
+MAX_VERSION_CHARS = 64
+
+
 def _at_least_1(version: str) -> bool:
     """version >= 1.0.0, compared part by part as integers ("1" is less, "2" more); a
     version with a part that is no integer is not (prometheus_client fails on it)."""
+    if len(version) > MAX_VERSION_CHARS:
+        return False
     parts = version.split(".")
     if not all(p.isascii() and p.isdigit() for p in parts):
         return False
-    return tuple(int(p) for p in parts) >= (1, 0, 0)
+    # compared as digit strings, never converted: int() refuses more than 4,300 digits (and a
+    # longer number would cost quadratic time); leading zeros do not count
+    # ((length, digits) orders as the number does); a list compares as the tuple of ints did
+    numbers = [(len(n), n) for n in (p.lstrip("0") for p in parts)]
+    return numbers >= [(1, "1"), (0, ""), (0, "")]
 
 
 def render(accounts: Accounts | None, process_registry: CollectorRegistry | None = None, fmt: str = TEXT) -> bytes:
@@ -171,26 +181,112 @@ def render_text(accounts: Accounts | None, process_registry: CollectorRegistry |
 def _render(accounts: Accounts | None, headers: dict[str, str]) -> bytes:
     """Every family's header and samples. The collector only publishes Accounts it has
     checked engine by engine (``check_renderable``); should a family still fail, it is
-    left empty and logged rather than failing the whole scrape."""
+    left empty and logged rather than failing the whole scrape. The engine families are
+    the engines' lines made once per account (``engine_lines``), joined in engine order."""
     out: list[str] = []
+    engines = accounts.engines if accounts is not None else []
+    per_engine = [engine_lines(e, accounts, check=False) for e in engines] if accounts is not None else []
     for spec in CATALOG:
         out.append(headers[spec.name])
         if accounts is None:
             continue
-        names = spec.labels
-        lines: list[str] = []
+        if spec.name in ENGINE_FAMILIES:
+            out.extend(lines.get(spec.name, "") for lines in per_engine)
+            continue
         try:
-            for labels, value in spec.samples(accounts):
-                if names:
-                    pairs = ",".join(f'{n}="{_escape_value(v)}"' for n, v in zip(names, labels, strict=True))
-                    lines.append(f"{spec.name}{{{pairs}}} {_number(value)}\n")
-                else:
-                    lines.append(f"{spec.name} {_number(value)}\n")
+            out.append(_family_lines(spec, accounts, check=False))
         except Exception:  # a bug of ours: lose one family, never the scrape
             log.exception("rendering %s failed; the family is left empty", spec.name)
-            continue
-        out.extend(lines)
     return "".join(out).encode("utf-8", "backslashreplace")
+
+
+#: the families whose samples are each engine's alone (read from ``Accounts.engines`` only),
+#: in engine order: rendered once per engine account (``engine_lines``); tests/test_poll_scale.py
+#: checks that these families of a whole Accounts are their engines' lines joined
+ENGINE_FAMILIES = frozenset(
+    spec.name for spec in CATALOG
+    if spec.group in ("kv", "scheduler", "tenant", "host")
+    or spec.name in ("kvledger_policy_info", "kvledger_engine_info", "kvledger_engine_reported_memory_bytes")
+)
+
+
+def engine_lines(account: EngineAccount, accounts: Accounts | None = None, *, check: bool = True) -> dict[str, str]:
+    """``account``'s sample lines in each engine family (kept on the account: made once).
+    With ``check`` (the collector's render check), checked as ``check_renderable`` checks
+    them: ValueError naming the sample, and nothing kept. Without (a scrape of Accounts
+    whose lines were not made yet), a family that fails is left empty and logged."""
+    rendered = account.rendered
+    if rendered is None:
+        alone = Accounts([account], [], [], None, [], accounts.sharing if accounts else account.sharing,
+                         accounts.taken_at if accounts else 0.0)
+        rendered = {}
+        for spec in CATALOG:
+            if spec.name not in ENGINE_FAMILIES:
+                continue
+            if check:
+                rendered[spec.name] = _family_lines(spec, alone, check=True)
+                continue
+            try:
+                rendered[spec.name] = _family_lines(spec, alone, check=False)
+            except Exception:  # a bug of ours: lose one family, never the scrape
+                log.exception("rendering %s failed; the family is left empty", spec.name)
+                rendered[spec.name] = ""
+        account.rendered = rendered
+    return rendered
+
+
+def _family_lines(spec: MetricSpec, accounts: Accounts, *, check: bool) -> str:
+    """The sample lines of one family (no header); with ``check``, ValueError for a value or
+    a label value the exposition cannot carry (``check_renderable``)."""
+    names = spec.labels
+    lines: list[str] = []
+    prefixes = _PREFIXES[spec.name]
+    if len(prefixes) > MAX_PREFIXES:
+        prefixes.clear()
+    for labels, value in spec.samples(accounts):
+        if check and not -MAX_SAFE_INT <= value <= MAX_SAFE_INT:
+            _check_value(spec, labels, value)
+        prefix = prefixes.get(labels)  # made from Accounts the collector checked (check_renderable)
+        if prefix is None:
+            if check:
+                _check_labels(spec, labels)
+            if names:
+                pairs = ",".join(f'{n}="{_escape_value(v)}"' for n, v in zip(names, labels, strict=True))
+                prefix = f"{spec.name}{{{pairs}}} "
+            else:
+                prefix = f"{spec.name} "
+            prefixes[labels] = prefix
+        number = _NUMBERS.get(value)
+        if number is None:
+            number = _number(value)
+        lines.append(prefix + number + "\n")
+    return "".join(lines)
+
+
+#: each family's sample prefixes (``name{labels} ``) by label values: the same series come back
+#: at every render, and formatting their labels was half of a render's time; emptied past
+#: MAX_PREFIXES entries in a family (series come and go)
+_PREFIXES: dict[str, dict[tuple[str, ...], str]] = {spec.name: {} for spec in CATALOG}
+MAX_PREFIXES = 100_000
+#: the values most samples take, formatted once
+_NUMBERS = {float(v): repr(float(v)) for v in range(0, 1025)}
+
+
+def _check_value(spec: MetricSpec, labels: tuple[str, ...], value: float) -> None:
+    if not -MAX_SAFE_INT <= value <= MAX_SAFE_INT:  # NaN compares false too
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{spec.name}: value {value!r} is not finite")
+        shown = ",".join(f'{n}="{v}"' for n, v in zip(spec.labels, labels, strict=False))
+        number = repr(value) if abs(value) < 1e30 else "of more than 30 digits"
+        raise ValueError(f"{spec.name}{{{shown[:200]}}}: value {number} is beyond 2**53 - 1, "
+                         "where a float no longer holds every integer")
+
+
+def _check_labels(spec: MetricSpec, labels: tuple[str, ...]) -> None:
+    for label in labels:
+        if not isinstance(label, str) or "\x00" in label:
+            raise ValueError(f"{spec.name}: label value {label!r} is not text")
+        label.encode("utf-8")
 
 
 def check_renderable(accounts: Accounts) -> None:
@@ -208,18 +304,18 @@ def check_renderable(accounts: Accounts) -> None:
     known here, after the policy. A larger value would be exported rounded (2**53 + 1 reads
     2**53): the engine is invalid instead."""
     for spec in CATALOG:
+        seen: set[object] = set()  # each distinct label value is checked once (they repeat: engine, pool, basis)
         for labels, value in spec.samples(accounts):
             if not -MAX_SAFE_INT <= value <= MAX_SAFE_INT:  # NaN compares false too
-                if isinstance(value, float) and not math.isfinite(value):
-                    raise ValueError(f"{spec.name}: value {value!r} is not finite")
-                shown = ",".join(f'{n}="{v}"' for n, v in zip(spec.labels, labels, strict=False))
-                number = repr(value) if abs(value) < 1e30 else "of more than 30 digits"
-                raise ValueError(f"{spec.name}{{{shown[:200]}}}: value {number} is beyond 2**53 - 1, "
-                                 "where a float no longer holds every integer")
-            for label in labels:
-                if not isinstance(label, str) or "\x00" in label:
-                    raise ValueError(f"{spec.name}: label value {label!r} is not text")
-                label.encode("utf-8")
+                _check_value(spec, labels, value)
+            try:
+                seen.update(labels)
+            except TypeError:
+                raise ValueError(f"{spec.name}: a label value is not text: {labels!r}"[:300]) from None
+        for label in seen:
+            if not isinstance(label, str) or "\x00" in label:
+                raise ValueError(f"{spec.name}: label value {label!r} is not text")
+            label.encode("utf-8")
 
 
 def process_registry() -> CollectorRegistry:

@@ -59,8 +59,15 @@ class ServerLimits:
     write_timeout: float = 30.0
     max_header_bytes: int = 16 * 1024
     max_body_bytes: int = 64 * 1024
-    #: threads answering requests (rendering /metrics); idle connections hold none
+    #: threads answering pages and JSON views; idle connections hold none
     workers: int = 8
+    #: threads of /metrics, /-/healthy and /-/ready alone (a render after each cycle): no
+    #: page, JSON view or lab run ever waits in front of a scrape
+    scrape_workers: int = 2
+    #: page and JSON-view requests waiting or being answered; more are answered 503
+    page_queue: int = 64
+    #: distinct /lab/run.json runs waiting or running (one worker process); more are answered 503
+    lab_queue: int = 4
     #: listen(2) backlog (the kernel caps it at net.core.somaxconn)
     backlog: int = 1024
     #: open connections; at this many a new one closes the longest-idle one (ConnectionTable)
@@ -110,6 +117,54 @@ def ascii_int(text: str | bytes) -> int | None:
     if not 0 < len(text) <= MAX_DIGITS or not text.isascii() or not text.isdigit():
         return None
     return int(text)
+
+
+class ErrorLog:
+    """Errors of request handlers, logged once per kind (the exception's type and the line
+    that raised it) with its traceback, then at most once per ``interval`` seconds per
+    kind with the count since: a client that triggers one at every request cannot fill
+    the log. At most ``kinds`` kinds are remembered (the oldest forgotten first)."""
+
+    def __init__(self, interval: float = 60.0, kinds: int = 64) -> None:
+        self.interval = interval
+        self.kinds = kinds
+        self._seen: OrderedDict[tuple[str, str], tuple[float, int]] = OrderedDict()  # kind -> (logged at, not logged since)
+        self.total = 0
+
+    @staticmethod
+    def kind(exc: BaseException) -> tuple[str, str]:
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else "?"
+        return type(exc).__qualname__, where
+
+    def report(self, exc: BaseException, what: str = "request handler failed") -> bool:
+        """Log ``exc`` unless its kind was logged less than ``interval`` seconds ago; True if logged."""
+        self.total += 1
+        key = self.kind(exc)
+        now = time.monotonic()
+        seen = self._seen.get(key)
+        if seen is not None and now - seen[0] < self.interval:
+            self._seen[key] = (seen[0], seen[1] + 1)
+            return False
+        if seen is None:
+            log.error("%s: %s: %s", what, key[0], exc, exc_info=exc)
+        else:
+            log.error("%s: %s: %s (%d more of this kind in the last %.0f s, not logged)", what, key[0], exc,
+                      seen[1], now - seen[0])
+        self._seen[key] = (now, 0)
+        self._seen.move_to_end(key)
+        while len(self._seen) > self.kinds:
+            self._seen.popitem(last=False)
+        return True
+
+
+#: the errors of every server's handlers (one log budget for the process)
+HANDLER_ERRORS = ErrorLog()
+
+INTERNAL_ERROR = Response(500, b"internal error while answering this request (logged by the daemon)\n",
+                          (("Content-Type", "text/plain; charset=utf-8"),), close=True)
 
 
 class Slot:
@@ -185,6 +240,18 @@ class ConnectionTable:
         self.open += 1
         self._new[slot] = None
         return slot
+
+    def shrink(self, limit: int) -> int:
+        """Hold at most ``limit`` from now on, closing (as ``admit`` would) connections
+        over it that may be closed; returns how many were closed."""
+        self.limit = limit
+        closed = 0
+        while self.open > limit and (victims := self._new or self._kept):
+            victim, _ = victims.popitem(last=False)
+            victim.evict()
+            self.evicted += 1
+            closed += 1
+        return closed
 
 
 class _DateCache:
@@ -322,7 +389,13 @@ async def serve_connection(reader: asyncio.StreamReader, writer: asyncio.StreamW
                 return
             if slot is not None:
                 slot.busy()
-            response = await handle(request)
+            try:
+                response = await handle(request)
+            except (asyncio.CancelledError, ConnectionError):
+                raise
+            except Exception as exc:  # a bug of ours: answered 500, logged once per kind (rate limited)
+                HANDLER_ERRORS.report(exc)
+                response = INTERNAL_ERROR
             if response.delay > 0:
                 if slot is not None:
                     slot.waiting()
@@ -339,6 +412,8 @@ async def serve_connection(reader: asyncio.StreamReader, writer: asyncio.StreamW
                 slot.idle()
     except (ConnectionError, TimeoutError, OSError, h11.ProtocolError) as exc:
         log.debug("connection ended: %s", exc)
+    except Exception as exc:  # never an unretrieved task exception: logged (rate limited), connection closed
+        HANDLER_ERRORS.report(exc, "connection failed")
     finally:
         await close_quietly(writer)
 

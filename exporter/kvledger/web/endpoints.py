@@ -17,6 +17,7 @@ import gzip
 import json
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -31,6 +32,8 @@ from kvledger.web.connection import Request, Response
 from kvledger.web.pages import accounts_header, json_response, lab_response, ledger_document, page, static_response
 
 TEXT = "text/plain; charset=utf-8"
+#: the paths answered from the scrapers' own threads (never behind a page, a JSON view or a lab run)
+SCRAPE_PATHS = frozenset({"/metrics", "/-/healthy", "/-/ready"})
 
 
 def _metrics_headers(content_type: str, gzipped: bool) -> tuple[tuple[str, str], ...]:
@@ -112,12 +115,35 @@ def accepts_gzip(header: str) -> bool:
     return False
 
 
+class ViewCache:
+    """The JSON views (/api/v1/accounts, /ui/ledger.json) of the latest Accounts, each made
+    once per accounting cycle: a client asking for them in a loop costs a dictionary lookup."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._accounts: Accounts | None = None
+        self._made = False
+        self._responses: dict[str, Response] = {}
+        self.made = 0
+
+    def get(self, accounts: Accounts | None, path: str, make: Callable[[], Response]) -> Response:
+        with self._lock:
+            if not self._made or accounts is not self._accounts:
+                self._accounts, self._made, self._responses = accounts, True, {}
+            response = self._responses.get(path)
+            if response is None:
+                response = self._responses[path] = make()
+                self.made += 1
+            return response
+
+
 @dataclass(frozen=True)
 class Endpoints:
     collector: Collector
     process_registry: CollectorRegistry | None
     json_view: bool
     metrics: MetricsBody = field(default_factory=MetricsBody)
+    views: ViewCache = field(default_factory=ViewCache)
 
     def from_memory(self, request: Request) -> Response | None:
         """A /metrics answer when its bytes are already made (a buffer write, no thread),
@@ -153,8 +179,13 @@ class Endpoints:
             if not self.json_view:
                 return Response(404, b"the JSON view is disabled (json_view: true in the config enables it)\n",
                                 (("Content-Type", TEXT),))
-            body = json.dumps(accounts_to_json(self.collector.latest(), self.collector.health()), indent=1).encode()
-            return Response(200, body, (("Content-Type", "application/json"),))
+            latest = self.collector.latest()
+
+            def accounts_view() -> Response:
+                body = json.dumps(accounts_to_json(latest, self.collector.health()), indent=1).encode()
+                return Response(200, body, (("Content-Type", "application/json"),))
+
+            return self.views.get(latest, path, accounts_view)  # only with json_view on
         if path == "/":
             links = [("metrics", "/metrics"), ("-/healthy", "/-/healthy"), ("-/ready", "/-/ready")]
             if self.json_view:
@@ -163,8 +194,12 @@ class Endpoints:
             return page("ledger.html", links)
         if path == "/ui/ledger.json":
             accounts = self.collector.latest()
-            messages = {(h.engine, h.source): m for h, m in self.collector.health()} if self.json_view else None
-            return json_response(ledger_document(accounts, self.json_view, messages), extra=accounts_header(accounts))
+
+            def ledger_view() -> Response:
+                messages = {(h.engine, h.source): m for h, m in self.collector.health()} if self.json_view else None
+                return json_response(ledger_document(accounts, self.json_view, messages), extra=accounts_header(accounts))
+
+            return self.views.get(accounts, f"{path} json_view={self.json_view}", ledger_view)
         if path == "/lab":
             return page("lab.html", [("./", "the ledger page"), ("metrics", "/metrics")])
         if path == "/lab/run.json":

@@ -272,14 +272,19 @@ def _int_param(query: dict[str, list[str]], name: str, low: int, high: int, defa
     return value
 
 
+def lab_params(query_string: str) -> tuple[int, int, int]:
+    """(capacity, working_set, requests) of a /lab/run.json query; LabRequestError names the bad one."""
+    query = parse_qs(query_string, keep_blank_values=True)
+    capacity = _int_param(query, "capacity", 1, LAB_MAX_CAPACITY)
+    working_set = _int_param(query, "working_set", 1, LAB_MAX_WORKING_SET)
+    return capacity, working_set, _int_param(query, "requests", 1, MAX_REQUESTS, MAX_REQUESTS)
+
+
 def lab_document(query_string: str) -> dict[str, Any]:
     """``capacity=C&working_set=S[&requests=N]`` → the run of ``run_lab(C, S, N)`` (N defaults
     to the cap), columnar: per step the identifier requested, hit or miss, the identifier
     evicted (null when none) and the running totals of hits, misses and evictions after it."""
-    query = parse_qs(query_string, keep_blank_values=True)
-    capacity = _int_param(query, "capacity", 1, LAB_MAX_CAPACITY)
-    working_set = _int_param(query, "working_set", 1, LAB_MAX_WORKING_SET)
-    n = _int_param(query, "requests", 1, MAX_REQUESTS, MAX_REQUESTS)
+    capacity, working_set, n = lab_params(query_string)
     result = run_lab(capacity, working_set, n)
     keys: list[int] = []
     hit: list[bool] = []

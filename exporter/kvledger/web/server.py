@@ -33,6 +33,7 @@ import errno
 import functools
 import ipaddress
 import logging
+import os
 import resource
 import socket
 import ssl
@@ -42,12 +43,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Protocol, cast
+from urllib.parse import urlsplit
 
 from kvledger.collect.collector import Collector
 from kvledger.output.prometheus import process_registry
 from kvledger.web.basic_auth import AuthGate, BasicAuth
-from kvledger.web.connection import ConnectionTable, Request, Response, ServerLimits, Slot, ascii_int, close_quietly, serve_connection
-from kvledger.web.endpoints import TEXT, Endpoints
+from kvledger.web.connection import (
+    HANDLER_ERRORS,
+    ConnectionTable,
+    Request,
+    Response,
+    ServerLimits,
+    Slot,
+    ascii_int,
+    close_quietly,
+    serve_connection,
+)
+from kvledger.web.endpoints import SCRAPE_PATHS, TEXT, Endpoints
+from kvledger.web.lab_runs import LabRuns
 from kvledger.web.runtime import WebRuntime
 from kvledger.web.tls import sans_allowed
 
@@ -63,6 +76,8 @@ class Responder(Protocol):
 UNAUTHORIZED = Response(401, b"Unauthorized\n", (("Content-Type", TEXT), ("WWW-Authenticate", "Basic")))
 #: a password check the AuthGate refused (too many waiting): no bcrypt was run
 TOO_MANY = Response(429, b"Too many password checks waiting; retry later\n", (("Content-Type", TEXT), ("Retry-After", "1")))
+#: more page or JSON-view requests waiting than ServerLimits.page_queue
+PAGES_BUSY = Response(503, b"too many page requests waiting; retry later\n", (("Content-Type", TEXT), ("Retry-After", "1")))
 
 #: descriptors kept for everything but client connections (sources, logs, files), beyond the backlog
 FD_RESERVE = 256
@@ -85,11 +100,29 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host, number
 
 
-def connection_cap(limits: ServerLimits) -> int:
-    """``limits.max_connections``, or fewer when the open-file limit cannot hold them with
-    the backlog and FD_RESERVE besides; raises the soft RLIMIT_NOFILE toward the hard one
-    first (as the Go runtime does for every Go exporter)."""
-    wanted = limits.max_connections + limits.backlog + FD_RESERVE
+#: the fewest connections the server holds whatever the open-file limit (a scraper and a few more)
+MIN_CONNECTIONS = 16
+#: descriptors each polled source may hold (its kept-alive connection to the engine)
+FDS_PER_SOURCE = 1
+
+
+def open_descriptors() -> int:
+    """The descriptors this process has open now (/proc/self/fd; 64 where it cannot be read)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 64
+
+
+def connection_cap(limits: ServerLimits, sources: int = 0, open_fds: int | None = None) -> int:
+    """``limits.max_connections``, or fewer when the open-file limit cannot hold them beside
+    what the process holds already (``open_fds``, counted now when None), a kept-alive
+    connection for each of ``sources`` polled sources, and FD_RESERVE (files, logs, a
+    reload); raises the soft RLIMIT_NOFILE toward the hard one first (as the Go runtime
+    does for every Go exporter). The cap is what accept(2) can take: connections past it
+    close the longest-idle one (ConnectionTable), never fail for want of a descriptor."""
+    used = (open_descriptors() if open_fds is None else open_fds) + sources * FDS_PER_SOURCE + FD_RESERVE
+    wanted = limits.max_connections + used
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < wanted:
         target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
@@ -101,9 +134,10 @@ def connection_cap(limits: ServerLimits) -> int:
                 log.debug("could not raise the open-file limit to %d: %s", target, exc)
     if soft == resource.RLIM_INFINITY or soft >= wanted:
         return limits.max_connections
-    cap = max(soft // 2, soft - limits.backlog - FD_RESERVE)
-    log.warning("open-file limit %d (hard %d) holds %d connections, not max_connections %d; raise it "
-                "(ulimit -n, LimitNOFILE=) to serve more", soft, hard, cap, limits.max_connections)
+    cap = max(MIN_CONNECTIONS, soft - used)
+    log.warning("open-file limit %d (hard %d) holds %d client connections, not max_connections %d (%d descriptors "
+                "go to %d polled sources, files and logs); raise it (ulimit -n, LimitNOFILE=) to serve more",
+                soft, hard, cap, limits.max_connections, used, sources)
     return cap
 
 
@@ -140,9 +174,15 @@ class KvledgerHTTPServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.create_server((host, port), family=family, backlog=self.limits.backlog)
         self.server_address: tuple[str, int] = self.socket.getsockname()[:2]
+        #: pages and JSON views; /metrics and the probes have their own threads (_scrape_pool)
         self._pool = ThreadPoolExecutor(max_workers=self.limits.workers, thread_name_prefix="kvledger-http")
+        self._scrape_pool = ThreadPoolExecutor(max_workers=self.limits.scrape_workers, thread_name_prefix="kvledger-scrape")
+        self._pages_waiting = 0  # page requests queued or being answered in _pool
+        #: /lab/run.json: cached, bounded, in a worker process (kvledger.web.lab_runs)
+        self.lab = LabRuns(queue=self.limits.lab_queue)
         #: the open connections (on the event loop); at its cap the longest idle one is closed
-        self.connections = ConnectionTable(connection_cap(self.limits))
+        sources = len(collector.sources) if collector is not None else 0
+        self.connections = ConnectionTable(connection_cap(self.limits, sources))
         #: bcrypt checks, in their own pool, queued per client
         self.auth_gate = AuthGate(self.limits.auth_workers, self.limits.auth_per_client, self.limits.auth_queue)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -166,6 +206,16 @@ class KvledgerHTTPServer:
         name = f"[{host}]" if ":" in host else host
         return f"{scheme}://{name}:{port}"
 
+    def fit_sources(self, sources: int) -> None:
+        """Hold the connections the open-file limit leaves beside ``sources`` polled sources
+        (after a reload changed them): the cap announced is what accept(2) can take."""
+        loop = self._loop
+        limit = connection_cap(self.limits, sources)
+        if loop is None:
+            self.connections.limit = limit
+        else:
+            loop.call_soon_threadsafe(self.connections.shrink, limit)
+
     def reload_web_config(self) -> bool:
         """Re-read the web config file and its certificates; a bad new file is logged and
         the old configuration kept (returns False)."""
@@ -185,6 +235,8 @@ class KvledgerHTTPServer:
             self._thread.join(timeout=10)
         self.socket.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._scrape_pool.shutdown(wait=False, cancel_futures=True)
+        self.lab.close()
         self.auth_gate.close()
 
     def _run(self) -> None:
@@ -219,6 +271,21 @@ class KvledgerHTTPServer:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
+                table = self.connections
+                if exc.errno in (errno.EMFILE, errno.ENFILE) and MIN_CONNECTIONS < table.open <= table.limit:
+                    # out of descriptors (other parts of the process took more than counted):
+                    # hold fewer connections from now on, closing the longest idle to make room
+                    # (their descriptors are freed as the loop turns: accepting resumes then)
+                    limit = max(MIN_CONNECTIONS, table.open - ACCEPT_BATCH)
+                    before = table.open
+                    closed = table.shrink(limit)
+                    log.error("cannot accept connections (%s) with %d open: holding at most %d from now on "
+                              "(%d idle closed to make room); raise the open-file limit to serve more",
+                              exc.strerror or exc, before, limit, closed)
+                    if closed:
+                        loop.remove_reader(self.socket.fileno())
+                        loop.call_later(0.01, self._resume_accepting)
+                        return
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     # out of descriptors or memory: stop accepting a moment, as asyncio does
                     log.error("cannot accept connections (%s); retrying in %.0f s", exc.strerror or exc, ACCEPT_RETRY_DELAY)
@@ -376,6 +443,10 @@ class KvledgerHTTPServer:
         except asyncio.CancelledError:
             writer.transport.abort()
             raise
+        except Exception as exc:  # a bug of ours: logged (rate limited), never an unretrieved task exception
+            HANDLER_ERRORS.report(exc, "connection failed")
+            writer.transport.abort()
+            await close_quietly(writer)
 
     async def _handle(self, request: Request) -> Response:
         self.web.maybe_reload()
@@ -387,10 +458,22 @@ class KvledgerHTTPServer:
                 return self._with_headers(denied, state.config.headers)
         site = self.responder or self.endpoints
         assert site is not None
+        path = urlsplit(request.target).path
+        if request.method in ("GET", "HEAD") and path == "/lab/run.json":
+            return self._with_headers(await self.lab.respond(request.target), state.config.headers)
         # a scrape between polls: the bytes already made, answered without a worker thread
         response = self.endpoints.from_memory(request) if self.endpoints is not None and self.responder is None else None
-        if response is None:
-            response = await loop.run_in_executor(self._pool, site.respond, request)
+        if response is None and path in SCRAPE_PATHS:
+            response = await loop.run_in_executor(self._scrape_pool, site.respond, request)
+        elif response is None:
+            if self._pages_waiting >= self.limits.page_queue:
+                response = PAGES_BUSY
+            else:
+                self._pages_waiting += 1
+                try:
+                    response = await loop.run_in_executor(self._pool, site.respond, request)
+                finally:
+                    self._pages_waiting -= 1
         return self._with_headers(response, state.config.headers)
 
     async def _authenticate(self, auth: BasicAuth, request: Request) -> Response | None:

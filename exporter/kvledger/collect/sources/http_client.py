@@ -54,6 +54,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from kvledger.collect import poll_budget
 from kvledger.collect.memory import release_freed_memory
 from kvledger.collect.sources.base import SourceError
 from kvledger.config.engine_tls import client_ssl_context
@@ -332,6 +333,13 @@ class HttpClient:
             self._tls_stamp = stamp
         return self._ssl
 
+    def _tls_failure(self, exc: ssl.SSLError) -> str:
+        """What a failed handshake says, with the check that failed when the engine's
+        certificate was refused (``tls_failure``)."""
+        tls = self.auth.tls_config if self.auth else None
+        t = self._target
+        return tls_failure(exc, tls.ca_file if tls else None, (tls.server_name if tls else None) or t.host)
+
     def _connection(self, timeout: float) -> http.client.HTTPConnection:
         t = self._target
         if t.scheme == "unix":
@@ -385,7 +393,7 @@ class HttpClient:
             raise SourceError("timeout", f"{self.where}: connect timed out after {self.timeout:g}s") from None
         except ssl.SSLError as exc:
             conn.close()
-            raise SourceError("connect", f"{self.where}: TLS handshake failed: {exc.reason or exc}") from None
+            raise SourceError("connect", f"{self.where}: TLS handshake failed: {self._tls_failure(exc)}") from None
         except OSError as exc:
             conn.close()
             raise SourceError("connect", f"{self.where}: cannot connect: {exc.strerror or exc}") from None
@@ -440,6 +448,12 @@ class HttpClient:
             return body.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise SourceError("parse", f"{self.where}: body is not UTF-8 (byte {exc.start})") from None
+
+    def _over_budget(self, poll: poll_budget.PollContext, what: str) -> str:
+        budget = poll.budget
+        return (f"{self.where}: {what} would pass the daemon's memory budget for engine answers "
+                f"({budget.total:,} bytes for all engines together, limits.memory_budget_bytes; "
+                f"{budget.in_use:,} in use by answers in flight): refused, asked again next cycle")
 
     def _late(self) -> str:
         return f"{self.where}: no complete answer within {self.timeout:g}s"
@@ -498,11 +512,15 @@ class HttpClient:
         size = 0
         lines = 0
         max_lines = self.max_lines if accept == self.accept else default_max_lines(accept)
+        poll = poll_budget.current()
         while True:
             chunk = resp.read1(_CHUNK)
             if not chunk:
                 break
             size += len(chunk)
+            if poll is not None and not poll.take(len(chunk)):
+                chunks.clear()
+                raise SourceError("too_large", self._over_budget(poll, f"its body ({size:,} bytes so far)"))
             if size > self.max_bytes:
                 chunks.clear()
                 release_freed_memory()
@@ -517,10 +535,49 @@ class HttpClient:
             chunks.append(chunk)
         if length is not None and length.strip().isdigit() and size != int(length):
             raise SourceError("parse", f"{self.where}: body truncated after {size} of {int(length)} bytes")
+        if poll is not None:
+            if not poll.take(size * (poll_budget.PARSE_FACTOR - 1)):
+                chunks.clear()
+                raise SourceError("too_large", self._over_budget(poll, f"parsing its body of {size:,} bytes"))
+            poll.answered(size, lines if max_lines is not None else None)
         answer = Answer(200, b"".join(chunks), resp.getheader("ETag"), resp.getheader("Content-Type"), resp.getheader("Date"))
         if not resp.isclosed() and resp.read(1):  # ends the answer (read1 leaves it open at length 0)
             return answer, False  # more than the answer said: the connection is not clean
         return answer, keep and resp.isclosed()  # the whole answer read: the connection is free for the next GET
+
+
+#: OpenSSL's verify codes (X509_V_ERR_*) of the checks an engine's certificate fails most
+_VERIFY_CHECKS = {
+    9: "the engine's certificate is not valid yet (notBefore is in the future: check the clocks)",
+    10: "the engine's certificate has expired",
+    18: "the engine's certificate is self-signed and not trusted",
+    19: "the engine's certificate chain ends in a self-signed CA that is not trusted",
+    20: "the engine's certificate was issued by a CA that is not trusted",
+    21: "the engine's certificate was issued by a CA that is not trusted",
+    23: "the engine's certificate was revoked",
+    26: "the engine's certificate is not meant for a server (its purpose)",
+}
+_HOSTNAME_MISMATCH = 62
+
+
+def tls_failure(exc: ssl.SSLError, ca_file: str | None, server_name: str) -> str:
+    """A failed handshake's reason, naming the check when the certificate was refused:
+    expired, self-signed, issued by an untrusted CA (saying whether ``ca_file`` was set),
+    or naming another host than ``server_name``; OpenSSL's own verify message follows."""
+    reason = exc.reason or str(exc)
+    if not isinstance(exc, ssl.SSLCertVerificationError):
+        return str(reason)
+    code = exc.verify_code
+    detail = exc.verify_message or ""
+    if code == _HOSTNAME_MISMATCH:
+        check = (f"the engine's certificate does not name {server_name!r} (hostname mismatch; "
+                 "tls_config.server_name sets the name to check)")
+    else:
+        check = _VERIFY_CHECKS.get(code, "the engine's certificate was refused")
+    if code in (18, 19, 20, 21):
+        check += (f" by tls_config.ca_file {ca_file}" if ca_file
+                  else " by the system's CAs (no tls_config.ca_file is set: set it to the CA that signed it)")
+    return f"{reason}: {check} (OpenSSL: {detail}, code {code})"
 
 
 def _status_note(status: int) -> str:
@@ -538,6 +595,8 @@ def _classify(exc: BaseException, where: str) -> tuple[str, str]:
         return "connect", f"{where}: the engine closed the connection without an answer"
     if isinstance(exc, (http.client.LineTooLong, http.client.HTTPException)):
         return "parse", f"{where}: not an HTTP answer ({type(exc).__name__})"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return "connect", f"{where}: TLS error: {tls_failure(exc, None, '?')}"
     if isinstance(exc, ssl.SSLError):
         return "connect", f"{where}: TLS error: {exc.reason or type(exc).__name__}"
     if isinstance(exc, OSError):

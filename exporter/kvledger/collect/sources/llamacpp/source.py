@@ -61,7 +61,8 @@ class LlamacppSource(Source):
         self.cfg = cfg
         self.engine = cfg.name
         base, metrics_url = endpoints(cfg.url)
-        common: dict[str, Any] = {"timeout": cfg.timeout_seconds, "max_bytes": cfg.max_response_bytes, "auth": cfg.client_auth}
+        common: dict[str, Any] = {"timeout": cfg.timeout_seconds, "max_bytes": cfg.max_response_bytes,
+                                  "max_lines": cfg.max_response_lines, "auth": cfg.client_auth}
         self._props = HttpClient(cfg.option("props_url") or base + "/props", accept="application/json", **common)
         self._slots = HttpClient(cfg.option("slots_url") or base + "/slots", accept="application/json", **common)
         self._metrics = HttpClient(metrics_url, accept="text/plain;version=0.0.4", **common)

@@ -137,12 +137,12 @@ class SglangSource(Source):
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg, self.engine = cfg, cfg.name
-        self._http = HttpClient(cfg.url, timeout=cfg.timeout_seconds, max_bytes=cfg.max_response_bytes,
+        self._http = HttpClient(cfg.url, timeout=cfg.timeout_seconds, max_bytes=cfg.max_response_bytes, max_lines=cfg.max_response_lines,
                                 accept="text/plain;version=0.0.4", auth=cfg.client_auth)
         configured = cfg.option("server_info_url")
         info = configured or server_info_beside(cfg.url)
         self._info_configured = configured is not None
-        self._info = HttpClient(info, timeout=cfg.timeout_seconds, max_bytes=cfg.max_response_bytes,
+        self._info = HttpClient(info, timeout=cfg.timeout_seconds, max_bytes=cfg.max_response_bytes, max_lines=cfg.max_response_lines,
                                 accept="application/json", auth=cfg.client_auth) if info else None
         self._page_size: int | None = None
         stated = cfg.option("decode_log_interval")

@@ -17,7 +17,7 @@ class TgiSource(Source):
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg, self.engine = cfg, cfg.name
-        self._http = HttpClient(cfg.url, timeout=cfg.timeout_seconds, max_bytes=cfg.max_response_bytes,
+        self._http = HttpClient(cfg.url, timeout=cfg.timeout_seconds, max_bytes=cfg.max_response_bytes, max_lines=cfg.max_response_lines,
                                 accept="text/plain;version=0.0.4", auth=cfg.client_auth)
 
     def poll(self) -> EngineContribution:

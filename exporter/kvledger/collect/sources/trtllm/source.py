@@ -22,7 +22,7 @@ class TrtllmSource(Source):
             # take them from whoever else reads them. Only GET /prometheus/metrics is read.
             raise SourceError("config", f"engine {cfg.name!r}: url {redact_url(cfg.url)} is trtllm-serve's JSON /metrics, "
                                         "which removes what it returns; use GET /prometheus/metrics")
-        self._http = HttpClient(cfg.url, timeout=cfg.timeout_seconds, max_bytes=cfg.max_response_bytes,
+        self._http = HttpClient(cfg.url, timeout=cfg.timeout_seconds, max_bytes=cfg.max_response_bytes, max_lines=cfg.max_response_lines,
                                 accept="text/plain;version=0.0.4", auth=cfg.client_auth)
 
     def poll(self) -> EngineContribution:

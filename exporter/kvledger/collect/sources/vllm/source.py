@@ -76,7 +76,8 @@ class VllmSource(Source):
         ledger = cfg.option("ledger")
         self._part_timeout = part_timeout(cfg.timeout_seconds) if ledger else cfg.timeout_seconds
         self._http = HttpClient(
-            cfg.url, timeout=self._part_timeout, max_bytes=cfg.max_response_bytes, accept="text/plain;version=0.0.4",
+            cfg.url, timeout=self._part_timeout, max_bytes=cfg.max_response_bytes, max_lines=cfg.max_response_lines,
+            accept="text/plain;version=0.0.4",
             auth=cfg.client_auth,
         )
         self._model_config = ModelConfig(cfg)
