@@ -150,7 +150,8 @@ def test_lab_runs_happen_in_another_process(collector: Collector) -> None:
         assert executor is not None
         pids = executor.submit(os.getpid).result(timeout=30)  # the worker's pid
         assert pids != os.getpid()
-        assert executor.submit(os.nice, 0).result(timeout=30) >= os.nice(0) + lab_runs.LAB_NICE
+        # niceness tops out at 19: a test run that is itself niced still sees the worker lowered as far as it goes
+        assert executor.submit(os.nice, 0).result(timeout=30) >= min(19, os.nice(0) + lab_runs.LAB_NICE)
     finally:
         server.stop()
 
