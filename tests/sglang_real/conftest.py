@@ -83,9 +83,13 @@ def tiny_qwen3_dir(sglang_env: None, tmp_path_factory: pytest.TempPathFactory) -
 def sglang_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangServer]:
     log = tmp_path_factory.mktemp("sglang-log") / "sglang-llama.log"
     ledger = Path(tempfile.mkdtemp(prefix="kvl-sglang-", dir="/tmp")) / "ledger.sock"  # a short path (107 bytes)
+    # SGLANG_INIT_NEW_TOKEN_RATIO: SGLang admits a request that may stop at EOS on this share of its
+    # remaining output (0.7 by default, decaying over 600 steps; 1.0 again after a retraction). At
+    # 0.2 the overcommitted burst is admitted whole however its requests arrive, and must retract.
     server = SglangServer(tiny_llama_dir, free_tcp_port(), max_total_tokens=EXACT_POOL_TOKENS,
                           decode_log_interval=1, recount=True, plugins=SESSION_PLUGINS, log_path=log,
-                          venv=kvledger_venv(), extra_env={"KVLEDGER_SGLANG_LEDGER": f"unix://{ledger}"})
+                          venv=kvledger_venv(), extra_env={"KVLEDGER_SGLANG_LEDGER": f"unix://{ledger}",
+                                                           "SGLANG_INIT_NEW_TOKEN_RATIO": "0.2"})
     server.ledger_url = f"unix://{ledger}"
     try:
         yield start_shared("llama, --decode-log-interval 1", server)

@@ -17,8 +17,9 @@ twice (equal: frozen), and a daemon poll that began after the pause must show, i
 token: in-use, reclaimable and free equal to the recount (``tiny``), in-use exact and the
 reclaimable and free upper bounds containing the recount (``tiny-old``), and the running and
 waiting requests. Bursts share a prefix cached beforehand; a second scenario, without
-``ignore_eos``, overcommits a 2,048-token pool so that SGLang retracts: the daemon's preemptions
-equal the retractions the recount's hook saw. The prefix-cache counters equal the sums of what
+``ignore_eos``, overcommits a 2,048-token pool so that SGLang retracts (the session server admits
+such requests on 0.2 of their output: ``SGLANG_INIT_NEW_TOKEN_RATIO``, conftest.py): the daemon's
+preemptions equal the retractions the recount's hook saw. The prefix-cache counters equal the sums of what
 each /generate answer reports (``cached_tokens``, ``prompt_tokens``).
 """
 
@@ -226,7 +227,7 @@ def frozen_points(label: str, server: SglangServer, daemon_url: str, alive: Call
 
 @dataclass
 class Record:
-    idle_empty: Point
+    idle_prefix: Point
     burst_points: list[Point]
     idle_cached: Point
     generations: list[Generation]
@@ -236,7 +237,7 @@ class Record:
     retraction_results: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
 
     def all_points(self) -> list[Point]:
-        return [self.idle_empty, *self.burst_points, self.idle_cached, *self.retraction_points]
+        return [self.idle_prefix, *self.burst_points, self.idle_cached, *self.retraction_points]
 
 
 def _idle_point(label: str, server: SglangServer, daemon_url: str) -> Point:
@@ -249,16 +250,19 @@ def _idle_point(label: str, server: SglangServer, daemon_url: str) -> Point:
 def record(sglang_server: SglangServer, daemon: Daemon) -> Record:
     server, url = sglang_server, daemon.url
     server.wait_idle()
+    since = time.time()
+    before = wait_for_scrape(url, polled_after(since), 30, "a poll before the scenario")  # counters only
+    # /flush_cache empties the tree but refreshes none of SGLang's gauges (they move at the next
+    # batch, or after 30 s idle): the prefix request that follows is that batch
     server.flush_cache()
-    idle_empty = _idle_point("idle, cache flushed", server, url)
-    before = idle_empty.scrape
     prefix = prefix_ids(PREFIX_TOKENS)
-    generations = [server.generate(prefix, 4)]  # the shared prefix cached first: the burst is admitted together
+    first = server.generate(prefix, 4)  # the shared prefix cached first
+    idle_prefix = _idle_point("idle, prefix cached", server, url)
     burst = server.burst([prefix + suffix_ids(i, SUFFIX_TOKENS) for i in range(BURST)], BURST_NEW_TOKENS)
     points = frozen_points("burst", server, url, burst.alive)
-    generations += burst.join()
+    generations = [first, *burst.join()]
     idle_cached = _idle_point("idle, prefix and outputs cached", server, url)
-    rec = Record(idle_empty, points, idle_cached, generations, before, idle_cached.scrape)
+    rec = Record(idle_prefix, points, idle_cached, generations, before, idle_cached.scrape)
     _retraction_scenario(server, url, rec)
     for p in rec.all_points():
         print(p.describe())
@@ -300,10 +304,10 @@ def _retraction_scenario(server: SglangServer, url: str, rec: Record) -> None:
 
 
 def test_the_pool_is_the_engines_pool(sglang_server: SglangServer, record: Record) -> None:
-    s = record.idle_empty.scrape
+    s = record.idle_prefix.scrape
     assert s.get("kvledger_kv_capacity_blocks", engine=ENGINE, pool=POOL) == EXACT_POOL_TOKENS
     assert s.get("kvledger_kv_block_size_tokens", engine=ENGINE, pool=POOL) == 1
-    assert record.idle_empty.recount["capacity"] == EXACT_POOL_TOKENS
+    assert record.idle_prefix.recount["capacity"] == EXACT_POOL_TOKENS
     assert s.get("kvledger_source_refresh_interval_steps", engine=ENGINE, source="sglang") == 1  # read from /server_info
     assert s.get("kvledger_source_refresh_interval_steps", engine=OLD, source="sglang") == 1  # stated in the config
 
@@ -337,7 +341,9 @@ def test_the_burst_shares_its_prefix_and_idle_keeps_it_reclaimable(record: Recor
     assert idle.scrape.blocks(ENGINE, "in_use") == 0 == idle.recount["in_use"]
     assert idle.recount["evictable"] >= PREFIX_TOKENS + BURST * (SUFFIX_TOKENS + BURST_NEW_TOKENS - 1)
     assert idle.scrape.blocks(ENGINE, "reclaimable") == idle.recount["evictable"]
-    assert record.idle_empty.recount["evictable"] == 0 and record.idle_empty.scrape.blocks(ENGINE, "free") == EXACT_POOL_TOKENS
+    first = record.idle_prefix  # only the prefix request's tokens are cached (the flush emptied the rest)
+    assert first.recount["in_use"] == 0 and PREFIX_TOKENS <= first.recount["evictable"] <= PREFIX_TOKENS + 4
+    assert first.scrape.blocks(ENGINE, "free") == EXACT_POOL_TOKENS - first.recount["evictable"]
 
 
 def test_running_and_waiting_requests(record: Record) -> None:
@@ -347,14 +353,18 @@ def test_running_and_waiting_requests(record: Record) -> None:
 
 
 def test_prefix_cache_counters_equal_what_each_answer_reports(record: Record) -> None:
+    """Hit tokens equal the sum of the answers' cached_tokens; queried tokens (SGLang's prefill
+    cache plus compute counts) the sum of their prompt tokens, plus at most one token a request
+    (seen on 0.5.23: 1,520 queried for 1,513 prompt tokens over seven requests, hits exact)."""
     gens = record.generations
-    assert all(g.status == 200 for g in gens)
+    assert all(g.status == 200 for g in gens) and len(gens) == 1 + BURST
     hit = sum(g.cached_tokens or 0 for g in gens)
     queried = sum(g.prompt_tokens or 0 for g in gens)
-    assert hit >= BURST * PREFIX_TOKENS - BURST  # the burst found the prefix cached
+    assert hit >= BURST * (PREFIX_TOKENS - 1)  # the burst found the prefix cached
     name_hit, name_q = "kvledger_prefix_cache_hit_tokens_total", "kvledger_prefix_cache_queried_tokens_total"
     delta = lambda n: (record.after.get(n, engine=ENGINE) or 0) - (record.before.get(n, engine=ENGINE) or 0)
-    assert (delta(name_hit), delta(name_q)) == (hit, queried)
+    assert delta(name_hit) == hit
+    assert queried <= delta(name_q) <= queried + len(gens)
 
 
 def test_retractions_are_counted_and_the_pool_stays_exact(record: Record) -> None:
