@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from harness.httpjson import wait_until
 from harness.kvledger_daemon import Daemon, run_demo
 from harness.prometheus import PrometheusServer, start_prometheus
 from kvledger.output.catalog import CATALOG
@@ -51,7 +52,10 @@ def demo_and_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
     STARTED = time.time()
     with run_demo(work / "demo") as daemon, start_prometheus(work / "prom", targets=[daemon.target]) as prom:
         prom.wait_for_target_up()
-        time.sleep(max(0.0, STARTED + WITHIN - time.time()) + 1)  # history up to WITHIN after the demo started
+        # history up to WITHIN after the demo started: waited for by Prometheus' own last scrape
+        wait_until(lambda: any(float(r["value"][1]) > STARTED + WITHIN
+                               for r in prom.query('timestamp(up{job="kvledger"})')),
+                   WITHIN + 60, interval=0.5, what=f"a scrape {WITHIN:g} s after the demo started")
         yield daemon, prom
 
 
