@@ -23,6 +23,9 @@ NOT_FROM_SIMULATOR = {
     "kvledger_label_values_limited_total",  # the demo engines stay within the limits
     # `kvledger serve` reloads its configuration file on SIGHUP; the demo has no file
     "kvledger_config_last_reload_successful", "kvledger_config_last_reload_success_timestamp_seconds",
+    # SGLang's own admission estimate is stated only by the in-engine SGLang plugin (kvledger/v1's
+    # pools[].admission_estimate); the demo's SGLang is a stock one, read through its /metrics
+    "kvledger_engine_admission_estimate_tokens", "kvledger_engine_new_token_ratio",
 }
 MOVING = [
     "kvledger_kv_reserved_bytes", "kvledger_kv_allocated_bytes", "kvledger_kv_reclaimable_bytes",

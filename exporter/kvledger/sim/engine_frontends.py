@@ -154,6 +154,11 @@ class SglangFrontend(Frontend):
                 del self._host[key]
                 self.loaded_tokens += page
 
+    def options(self) -> tuple[tuple[str, str], ...]:
+        # the simulated SGLang computes its gauges at every scrape: as a real one run with
+        # --decode-log-interval 1 (it serves no /server_info to read the interval from)
+        return (("decode_log_interval", "1"),)
+
     def metrics(self, s: _State) -> Iterator[Metric]:
         p, page, pages = self.engine.profile, self.spec.block_size, self.spec.num_blocks
         labels = {"model_name": MODEL, "engine_type": "unified", "tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0"}
