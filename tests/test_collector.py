@@ -20,16 +20,27 @@ class Fixed(Source):
         self.engine = engine
         self.in_use = in_use
         self.polls = 0
+        self._polled = threading.Condition()
+
+    def count_poll(self) -> None:
+        with self._polled:
+            self.polls += 1
+            self._polled.notify_all()
+
+    def wait_polls(self, n: int, timeout: float = 10.0) -> bool:
+        """Block until this source has been polled ``n`` times (False after ``timeout``)."""
+        with self._polled:
+            return self._polled.wait_for(lambda: self.polls >= n, timeout)
 
     def poll(self) -> Contribution:
-        self.polls += 1
+        self.count_poll()
         pool = PoolFacts(id="0", block_size=16, num_blocks=10, block_bytes=100, in_use=self.in_use, reclaimable=0, free=10 - self.in_use)
         return EngineContribution(EngineFacts(name=self.engine, kind="ledger", source="ledger", pools=[pool], requests=[]))
 
 
 class Failing(Fixed):
     def poll(self) -> Contribution:
-        self.polls += 1
+        self.count_poll()
         raise SourceError("schema", "pools[0].num_blocks: expected integer, got 'x'")
 
 
@@ -39,7 +50,7 @@ class Hanging(Fixed):
         self.release = threading.Event()
 
     def poll(self) -> Contribution:
-        self.polls += 1
+        self.count_poll()
         self.release.wait(30)
         return super().poll()
 
@@ -90,9 +101,10 @@ def test_hanging_source_times_out_without_delaying_others() -> None:
             time.sleep(0.05)
         assert h["slow"].reason == "timeout" and not h["slow"].up
         polls_before = good.polls
-        time.sleep(1.0)
-        assert good.polls >= polls_before + 3  # the good source keeps its cadence
-        assert hang.polls == 1  # never resubmitted while hung
+        # the good source keeps its cadence: three more of its polls while the slow one is
+        # still hung (waited for by count, not by the clock)
+        assert good.wait_polls(polls_before + 3), good.polls - polls_before
+        assert not hang.release.is_set() and hang.polls == 1  # never resubmitted while hung
         acc = c.latest()
         assert acc is not None and any(e.name == "good" and e.pools for e in acc.engines)
         # the hung poll returns: the source comes back up

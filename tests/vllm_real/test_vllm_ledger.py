@@ -442,6 +442,7 @@ def test_an_untested_vllm_release_is_one_log_line_and_no_change() -> None:
     assert not Path("/tmp/kvledger-untested.sock").exists()
 
 
+@pytest.mark.fresh_engine("restarts the shared server without the integration")
 def test_without_the_integration_vllm_is_unchanged_and_the_daemon_falls_back(
     vllm_server: VllmServer, daemon: Daemon, record: Record
 ) -> None:

@@ -52,7 +52,7 @@ from .server import (
 )
 from .test_kvledger_on_vllm import Scrape, cached_count_by_events_applied, engine_pids, polled_after, wait_for_scrape
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.fresh_engine("stops the shared server for its own two-rank shape")]
 
 ENGINE = "tiny"
 RANKS = ("0", "1")
