@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from workload import engine_facts
 
 from kvledger.collect.accounting import AccountCache, account_snapshot
-from kvledger.config.model import LimitsConfig
-from kvledger.model.block_refs import BlockRefArray
-from kvledger.model.facts import Snapshot
+from kvledger.config.types import LimitsConfig
+from kvledger.domain.block_refs import BlockRefArray
+from kvledger.domain.facts import Snapshot
 from kvledger.output.prometheus import check_renderable
 
 BUDGET_MS = 50.0

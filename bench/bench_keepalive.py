@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from realistic_load import Load, dumps
 
 from kvledger.collect.sources.http_client import HttpClient
-from kvledger.config.model import ClientAuth, TlsClientConfig
+from kvledger.config.types import ClientAuth, TlsClientConfig
 
 SERVER = textwrap.dedent("""
     import ssl, sys

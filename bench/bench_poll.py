@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from realistic_load import Load, dumps
 
 from kvledger.collect.sources.document import LedgerSource, parse_document
-from kvledger.config.model import EngineConfig
+from kvledger.config.types import EngineConfig
 from kvledger.policy.engine_accounts import engine_account
 from kvledger_engine.document_server import LedgerServer
 

@@ -29,7 +29,7 @@ from prometheus_client.registry import CollectorRegistry
 from workload import scrape_snapshot
 
 from kvledger.collect.accounting import AccountCache, account_snapshot
-from kvledger.config.model import LimitsConfig
+from kvledger.config.types import LimitsConfig
 from kvledger.output.prometheus import AccountsCollector, check_renderable, render_openmetrics, render_text
 from kvledger.web.endpoints import MetricsBody
 

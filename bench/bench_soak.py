@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_daemon import proc_figures  # noqa: E402
 
-from kvledger.config.model import EngineConfig  # noqa: E402
+from kvledger.config.types import EngineConfig  # noqa: E402
 
 
 def free_port() -> int:

@@ -80,7 +80,7 @@ def run_one(model: Path, mode: str, args: argparse.Namespace) -> dict[str, float
     def poll() -> None:
         while not stop.wait(args.poll):
             try:
-                server.ledger_document()
+                server.ledger_page_data()
                 reads[0] += 1
             except OSError:
                 pass
@@ -95,7 +95,7 @@ def run_one(model: Path, mode: str, args: argparse.Namespace) -> dict[str, float
         stop.set()
         out = {"seconds": seconds, "steps": n_steps, "step_ms": 1000 * seconds / max(n_steps, 1)}
         if ledger:
-            doc = server.ledger_document()
+            doc = server.ledger_page_data()
             stats = doc["integration"]
             out["publish_seconds"] = float(stats["publish_seconds_total"])  # type: ignore[index]
             out["publications"] = float(stats["publications"])  # type: ignore[index]

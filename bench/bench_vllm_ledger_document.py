@@ -2,7 +2,7 @@
 
     PYTHONPATH=exporter python bench/bench_vllm_ledger_document.py [--quick]
 
-1. ``LedgerDocument`` (kvledger_engine.vllm.document, what the server thread of the
+1. ``PublishedLedger`` (kvledger_engine.vllm.published, what the server thread of the
    integration renders) at 1,000 and 10,000 requests, 256 of them running: the bytes
    served, and the median time of a render (a) from cold (every row rendered), (b) after a
    realistic publication (every running request's computed tokens advanced, ~5 % of the
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the fake vLLM of the unit tests
 
 from kvledger_engine.reference_ledger import Ledger, PoolSpec  # noqa: E402
-from kvledger_engine.vllm.document import LedgerDocument, PoolStatic, RequestRow  # noqa: E402
+from kvledger_engine.vllm.published import PoolStatic, PublishedLedger, RequestRow  # noqa: E402
 from kvledger_engine.vllm.tracker import PoolSummary  # noqa: E402
 
 RUNNING = 256
@@ -123,8 +123,8 @@ BUDGETS = {"max_num_batched_tokens": 16384, "max_num_seqs": RUNNING, "max_model_
 STATIC = PoolStatic(id="0", block_size=BLOCK, block_bytes=2 << 20, num_blocks=16383, sliding_window=None, speculative_slots=0)
 
 
-def new_document() -> LedgerDocument:
-    return LedgerDocument({"kind": "vllm", "version": "0.32.0"}, STATIC, {"name": "kvledger-vllm", "dp_rank": 0, "pid": 1})
+def new_document() -> PublishedLedger:
+    return PublishedLedger({"kind": "vllm", "version": "0.32.0"}, STATIC, {"name": "kvledger-vllm", "dp_rank": 0, "pid": 1})
 
 
 def bench_document(n: int, runs: int) -> dict[str, Any]:
@@ -278,7 +278,7 @@ def main() -> None:
     publications = 10 if args.quick else 60
 
     print(f"kvledger/v1 document of one vLLM engine core: {RUNNING} running, the rest waiting; medians of {runs} renders")
-    print(f"{'requests':>9} | {'LedgerDocument':>15} {'cold':>8} {'changed':>8} {'rows':>5} {'cached':>8} | "
+    print(f"{'requests':>9} | {'PublishedLedger':>15} {'cold':>8} {'changed':>8} {'rows':>5} {'cached':>8} | "
           f"{'reference':>10} {'to_doc':>8} | {'+blocks':>10} {'to_doc':>8}")  # fmt: skip
     for n in (1_000, 10_000):
         doc = bench_document(n, runs)

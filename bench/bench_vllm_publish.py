@@ -38,8 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvledger_engine.vllm.document import GroupStatic, PoolStatic, RequestRow
 from kvledger_engine.vllm.engine_core import EngineLedger
+from kvledger_engine.vllm.published import GroupStatic, PoolStatic, RequestRow
 from kvledger_engine.vllm.settings import Settings
 
 BLOCK = 16

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exporter"))
 
 from kvledger.cli import _collector
-from kvledger.config.model import Config, NvmlConfig
+from kvledger.config.types import Config, NvmlConfig
 from kvledger.output.prometheus import render_text
 from kvledger.sim.demo import start_demo
 

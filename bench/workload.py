@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from kvledger.model.facts import (
+from kvledger.domain.facts import (
     BlockRef,
     Budgets,
     EngineFacts,

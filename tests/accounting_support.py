@@ -15,9 +15,9 @@ check itself (they build Accounts the renderer must refuse).
 from __future__ import annotations
 
 from kvledger.collect.accounting import AccountCache, RenderCheck, account_snapshot
-from kvledger.config.model import LimitsConfig
-from kvledger.model.accounts import Accounts
-from kvledger.model.facts import Snapshot
+from kvledger.config.types import LimitsConfig
+from kvledger.domain.accounts import Accounts
+from kvledger.domain.facts import Snapshot
 from kvledger.output.prometheus import check_renderable
 
 

@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from kvledger.model.facts import EngineFacts
+from kvledger.domain.facts import EngineFacts
 
 REGEN = os.environ.get("KVLEDGER_REGEN") == "1"
 FIXTURES = Path(__file__).parent / "fixtures"

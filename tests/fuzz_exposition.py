@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
 from kvledger.collect.sources.base import SourceError
-from kvledger.model.facts import EngineFacts
+from kvledger.domain.facts import EngineFacts
 
 VALUES = ("nan", "NaN", "+Inf", "-Inf", "-1", "-0.5", "0", "1", "1.5", "2.5", "16", "1e308", "-1e308",
           "9007199254740993", "1e20", "9" * 400, "0x10", "", "abc", "4294967297", "1073741825")

@@ -27,11 +27,11 @@ from hypothesis import HealthCheck, settings
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvledger.collect.accounting import alone
-from kvledger.model.accounts import Accounts, EngineAccount
-from kvledger.model.block_refs import BlockRefArray
-from kvledger.model.facts import EngineFacts, GpuFacts, PoolFacts, RequestFacts, Snapshot, SourceHealth
-from kvledger.model.limits import MAX_SAFE_INT
-from kvledger.model.request_table import RequestTable
+from kvledger.domain.accounts import Accounts, EngineAccount
+from kvledger.domain.block_refs import BlockRefArray
+from kvledger.domain.facts import EngineFacts, GpuFacts, PoolFacts, RequestFacts, Snapshot, SourceHealth
+from kvledger.domain.limits import MAX_SAFE_INT
+from kvledger.domain.request_table import RequestTable
 from kvledger.output.prometheus import check_renderable, render_text
 
 FUZZ_EXAMPLES = int(os.environ.get("KVLEDGER_FUZZ_EXAMPLES", "200"))

@@ -16,9 +16,9 @@ import kvledger.collect.accounting as accounting
 from kvledger.collect.accounting import AccountCache, AccountKey, EngineInputs, account_snapshot
 from kvledger.collect.collector import Collector
 from kvledger.collect.sources.base import Contribution, EngineContribution, GpuContribution, Source
-from kvledger.config.model import LimitsConfig
-from kvledger.model.accounts import Accounts
-from kvledger.model.facts import Budgets, EngineFacts, GpuFacts, PoolFacts, RequestFacts, Snapshot, TenantQuota
+from kvledger.config.types import LimitsConfig
+from kvledger.domain.accounts import Accounts
+from kvledger.domain.facts import Budgets, EngineFacts, GpuFacts, PoolFacts, RequestFacts, Snapshot, TenantQuota
 from kvledger.output.prometheus import check_renderable, render_text
 from kvledger.policy.device_budget import budget_terms, gpu_accounts
 from kvledger.policy.engine_accounts import engine_account

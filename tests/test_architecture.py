@@ -3,7 +3,7 @@ level, ``TYPE_CHECKING`` and function-local imports alike) and no loop between f
 dependencies that point one way between the folders with no allowance the layout does not
 use, nothing at the package root but the CLI and the package face, an
 engine-side library that imports nothing of the daemon, the planner in one package, and
-facts and formulas (``model/``, ``policy/``) with no file I/O and nothing that only the
+facts and formulas (``domain/``, ``policy/``) with no file I/O and nothing that only the
 planner or the tests read."""
 
 from __future__ import annotations
@@ -57,25 +57,25 @@ def _folder(module: str) -> str:
 ALLOWED: dict[str, set[str]] = {
     "kvledger_engine": set(),  # the engine side: standard library only, nothing of the daemon
     "kvledger": {"kvledger_engine"},  # the package face: the version is the engine-side library's; cli.py wires everything and is not ruled here
-    "model": {"kvledger_engine"},  # facts and accounts: data
-    "policy": {"model", "kvledger_engine"},  # pure formulas over facts
-    "protocol": {"model", "kvledger_engine"},  # the wire format into facts (the request definition and wire words from the engine side)
-    "config": {"model"},  # the typed configuration, its loader and the engine kinds table (engine_kinds.py)
+    "domain": {"kvledger_engine"},  # facts and accounts: data
+    "policy": {"domain", "kvledger_engine"},  # pure formulas over facts
+    "protocol": {"domain", "kvledger_engine"},  # the wire format into facts (the request definition and wire words from the engine side)
+    "config": {"domain"},  # the typed configuration, its loader and the engine kinds table (engine_kinds.py)
     # facts only, never the policy or outputs; collect: the folder it is part of (collect/memory.py
     # gives freed bodies back to the OS, and the registry takes each engine's configured facts from
     # collect/merge.py)
-    "collect.sources": {"model", "config", "protocol", "collect"},
+    "collect.sources": {"domain", "config", "protocol", "collect"},
     # output: the collector asks the output side's render check of each engine alone
     # (output.prometheus.check_renderable; collect/accounting.py), so that an engine no
     # exposition can carry is marked down instead of breaking the others
-    "collect": {"collect.sources", "config", "model", "policy", "output"},
-    "output": {"model", "kvledger"},  # Accounts in, text out (the package face for the version)
+    "collect": {"collect.sources", "config", "domain", "policy", "output"},
+    "output": {"domain", "kvledger"},  # Accounts in, text out (the package face for the version)
     # tools: the /lab page runs the cache lab's own code (tools/lab.py, standard library only),
     # the one that `kvledger lab` runs
-    "web": {"output", "collect", "config", "model", "tools", "kvledger"},
+    "web": {"output", "collect", "config", "domain", "tools", "kvledger"},
     "tools": {"config", "output"},  # the generated reference: the engine kinds and the catalogue
-    "tools.plan": {"collect.sources", "config", "model", "output", "policy"},  # the whole planner; only the CLI imports it
-    "sim": {"kvledger_engine", "collect.sources", "config", "model"},
+    "tools.plan": {"collect.sources", "config", "domain", "output", "policy"},  # the whole planner; only the CLI imports it
+    "sim": {"kvledger_engine", "collect.sources", "config", "domain"},
 }
 
 
@@ -128,7 +128,7 @@ def test_the_folder_check_finds_a_loop_between_folders() -> None:
     """The check itself: the loader importing collect while collect imports the typed
     configuration is a loop of the folders, though no module imports itself back."""
     graph = {"kvledger.config.loader": {"kvledger.collect.engine_kinds"},
-             "kvledger.collect.engine_kinds": {"kvledger.config.model"}, "kvledger.config.model": set()}
+             "kvledger.collect.engine_kinds": {"kvledger.config.types"}, "kvledger.config.types": set()}
     assert cycles(graph) == []
     assert cycles(_folder_graph(set(_imports_between_folders(graph)))) == [["collect", "config"]]
 
@@ -156,7 +156,7 @@ def test_only_the_cli_imports_the_planner() -> None:
 IO_PACKAGES = {"http", "io", "json", "os", "pathlib", "shutil", "socket", "subprocess", "tempfile", "urllib", "yaml"}
 
 
-@pytest.mark.parametrize("module", sorted(m for m in FILES if _folder(m) == "model"))
+@pytest.mark.parametrize("module", sorted(m for m in FILES if _folder(m) == "domain"))
 def test_the_model_package_does_no_io(module: str) -> None:
     """Facts only: reading a file (a model's config.json) is the sources' or the planner's."""
     path = FILES[module]
@@ -164,11 +164,11 @@ def test_the_model_package_does_no_io(module: str) -> None:
 
 
 def test_facts_and_formulas_hold_nothing_only_the_planner_or_the_tests_read() -> None:
-    """Every public name of ``model/`` and ``policy/`` is read by the daemon (any module
+    """Every public name of ``domain/`` and ``policy/`` is read by the daemon (any module
     but the planner's): what only the planner needs lives in ``tools/plan/``, what only a
     test needs lives in the test, and what nothing reads is gone."""
     read = set().union(*(read_names(path) for m, path in FILES.items() if _folder(m) != "tools.plan"))
-    unread = [f"{m}.{name}" for m, path in sorted(FILES.items()) if _folder(m) in ("model", "policy")
+    unread = [f"{m}.{name}" for m, path in sorted(FILES.items()) if _folder(m) in ("domain", "policy")
               for name in sorted(defined_names(path) - read)]
     assert unread == []
 

@@ -9,7 +9,7 @@ import urllib.request
 
 from kvledger.collect.collector import Collector
 from kvledger.collect.sources.base import Contribution, EngineContribution, Source, SourceError, SubsourceReport
-from kvledger.model.facts import EngineFacts, PoolFacts
+from kvledger.domain.facts import EngineFacts, PoolFacts
 from kvledger.web.server import KvledgerHTTPServer
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from kvledger.collect.collector import Collector
 from kvledger.collect.sources.document import LedgerSource
-from kvledger.config.model import EngineConfig
+from kvledger.config.types import EngineConfig
 from kvledger_engine.document_server import serve_http
 from kvledger_engine.reference_ledger import Ledger, PoolSpec
 

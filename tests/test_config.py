@@ -8,7 +8,7 @@ import pytest
 
 from kvledger.config.engine_kinds import KINDS
 from kvledger.config.loader import load_config, parse_duration, parse_size
-from kvledger.config.model import ConfigError
+from kvledger.config.types import ConfigError
 
 GOOD = """
 listen: "127.0.0.1:9500"

@@ -12,8 +12,8 @@ import pytest
 from kvledger.collect.collector import Collector
 from kvledger.collect.sources.registry import build_sources
 from kvledger.config.loader import config_from_mapping
-from kvledger.config.model import ConfigError
-from kvledger.model.accounts import ConfigReload
+from kvledger.config.types import ConfigError
+from kvledger.domain.accounts import ConfigReload
 from kvledger.output.prometheus import render_text
 
 # the first engine's source starts a KV-event subscriber (a thread and ZMQ sockets); the

@@ -16,8 +16,8 @@ import yaml
 from tls_support import Pki, make_pki
 
 from kvledger.config.loader import load_config
-from kvledger.config.model import ConfigError
 from kvledger.config.reference import MEANING, field_paths
+from kvledger.config.types import ConfigError
 from kvledger.output.catalog import CATALOG, LABELS
 from kvledger.tools.docgen import TARGETS, main
 
@@ -60,7 +60,7 @@ def test_a_stale_reference_is_detected_and_rewritten(tmp_path: Path) -> None:
 
 
 def test_every_key_of_the_typed_configuration_has_a_meaning() -> None:
-    """A field added to config/model.py without its meaning (config/reference.py) fails here."""
+    """A field added to config/types.py without its meaning (config/reference.py) fails here."""
     assert sorted(field_paths() - set(MEANING)) == []
     assert sorted(set(MEANING) - field_paths()) == []
 

@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from test_fuzz_protocol import documents, mutated_documents, raw_texts
 from test_wire_forms import to_columns
 
-from kvledger.model.facts import EngineFacts
-from kvledger.model.limits import MAX_BLOCKS, MAX_REQUESTS, MAX_TOKENS
-from kvledger.model.request_table import RequestTable
+from kvledger.domain.facts import EngineFacts
+from kvledger.domain.limits import MAX_BLOCKS, MAX_REQUESTS, MAX_TOKENS
+from kvledger.domain.request_table import RequestTable
 from kvledger.protocol.reader import NotJsonError, ProtocolError, facts_from_document, facts_from_json, typed_facts
 
 

@@ -14,8 +14,8 @@ import pytest
 from kvledger.collect.collector import Collector
 from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.document import LedgerSource, document_age
-from kvledger.config.model import EngineConfig
-from kvledger.model.limits import MAX_DOCUMENT_AGE
+from kvledger.config.types import EngineConfig
+from kvledger.domain.limits import MAX_DOCUMENT_AGE
 from kvledger.output.prometheus import render_text
 from kvledger.protocol.reader import facts_from_json
 from kvledger_engine.document_server import serve_http

@@ -26,7 +26,7 @@ from kvledger.collect.sources.http_client import HttpClient
 from kvledger.collect.sources.registry import build_sources
 from kvledger.config.engine_kinds import KINDS
 from kvledger.config.loader import config_from_mapping, load_config
-from kvledger.config.model import ConfigError, EngineConfig, Secret
+from kvledger.config.types import ConfigError, EngineConfig, Secret
 
 TOKEN = "tok-3f9a1c0e7d"  # every secret here is a string no message may contain
 PASSWORD = "pw-b71e44a2c9"

@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvledger.collect.collector import Collector
 from kvledger.collect.label_limits import LabelLimitError, limit_labels, shorten
 from kvledger.collect.sources.base import Contribution, EngineContribution, GpuContribution, Source
-from kvledger.config.model import LimitsConfig
-from kvledger.model.facts import Budgets, EngineFacts, GpuFacts, PoolFacts, RequestFacts, Snapshot, TenantQuota
+from kvledger.config.types import LimitsConfig
+from kvledger.domain.facts import Budgets, EngineFacts, GpuFacts, PoolFacts, RequestFacts, Snapshot, TenantQuota
 from kvledger.output.prometheus import check_renderable, render_text
 
 

@@ -22,7 +22,7 @@ from kvledger.collect.collector import Collector
 from kvledger.collect.sources.registry import SOURCES, build_sources
 from kvledger.config.engine_kinds import KINDS
 from kvledger.config.loader import load_config
-from kvledger.config.model import ConfigError
+from kvledger.config.types import ConfigError
 from kvledger.output.prometheus import render_text
 from kvledger.tools.docgen import engine_kinds
 
@@ -55,8 +55,8 @@ FOLDER = {
         from kvledger.collect.sources.http_client import HttpClient
         from kvledger.collect.sources.metric_values import configured_block_bytes
         from kvledger.collect.sources.prom_text import parse_exposition
-        from kvledger.config.model import EngineConfig
-        from kvledger.model.facts import EngineFacts, PoolFacts
+        from kvledger.config.types import EngineConfig
+        from kvledger.domain.facts import EngineFacts, PoolFacts
 
 
         class ToySource(Source):

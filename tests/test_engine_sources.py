@@ -17,7 +17,7 @@ from harness.engine_fakes import FakeEngine
 from kvledger.collect.sources.base import Source, SourceError
 from kvledger.collect.sources.registry import SOURCES, engine_sources
 from kvledger.config.engine_kinds import KINDS
-from kvledger.config.model import EngineConfig
+from kvledger.config.types import EngineConfig
 
 #: the registered kinds that read an exposition a fake engine serves
 ENGINE_KINDS = [k for k in KINDS if k in FAKES]

@@ -31,9 +31,9 @@ from kvledger.collect.sources.triton_trtllm.metrics import triton_trtllm_facts
 from kvledger.collect.sources.trtllm.metrics import trtllm_facts
 from kvledger.collect.sources.vllm.metrics import vllm_facts_from_metrics
 from kvledger.config.engine_kinds import KINDS as REGISTERED
-from kvledger.config.model import EngineConfig
-from kvledger.model.facts import EngineFacts, PoolFacts, Snapshot
-from kvledger.model.limits import MAX_SAFE_INT
+from kvledger.config.types import EngineConfig
+from kvledger.domain.facts import EngineFacts, PoolFacts, Snapshot
+from kvledger.domain.limits import MAX_SAFE_INT
 from kvledger.output.prometheus import check_renderable, render_text
 
 ROOT = Path(__file__).resolve().parents[1]

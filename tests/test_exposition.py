@@ -10,8 +10,8 @@ from exposition_lint import lint_exposition
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvledger.model.accounts import ConfigReload
-from kvledger.model.facts import (
+from kvledger.domain.accounts import ConfigReload
+from kvledger.domain.facts import (
     AdmissionEstimate,
     BlockRef,
     Budgets,

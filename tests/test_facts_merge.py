@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvledger.collect.merge import configured_facts, merge
-from kvledger.config.model import EngineConfig, HostConfig, LimitConfig, MemoryConfig, ProcessMatch, SizeWithSource, TenantConfig
-from kvledger.model.facts import Budgets, EngineFacts, HostFacts, Limit, MemoryTerm, TenantQuota
+from kvledger.config.types import EngineConfig, HostConfig, LimitConfig, MemoryConfig, ProcessMatch, SizeWithSource, TenantConfig
+from kvledger.domain.facts import Budgets, EngineFacts, HostFacts, Limit, MemoryTerm, TenantQuota
 
 
 def cfg(**kw: object) -> EngineConfig:

@@ -21,7 +21,7 @@ import pytest
 from harness.kvledger_daemon import ROOT, _env
 from kvledger.cli import format_value
 from kvledger.collect.sources.vllm.source import VllmSource
-from kvledger.config.model import EngineConfig
+from kvledger.config.types import EngineConfig
 from kvledger.sim.demo import demo_profiles
 from kvledger.sim.engine import SimEngine
 from kvledger_engine.document_server import LedgerServer, serve_http

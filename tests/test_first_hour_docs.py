@@ -17,7 +17,7 @@ import pytest
 
 from harness.kvledger_daemon import ROOT, _env
 from kvledger.config.loader import load_config
-from kvledger.config.model import ConfigError
+from kvledger.config.types import ConfigError
 
 
 def kvledger(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

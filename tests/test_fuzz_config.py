@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from kvledger.collect.merge import configured_facts, merge
 from kvledger.config.engine_kinds import KINDS
 from kvledger.config.loader import config_from_mapping, load_config
-from kvledger.config.model import MAX_INTERVAL, MAX_TIMEOUT, MIN_INTERVAL, MIN_TIMEOUT, Config, ConfigError
-from kvledger.model.limits import MAX_SAFE_INT, MAX_TOKENS
+from kvledger.config.types import MAX_INTERVAL, MAX_TIMEOUT, MIN_INTERVAL, MIN_TIMEOUT, Config, ConfigError
+from kvledger.domain.limits import MAX_SAFE_INT, MAX_TOKENS
 
 EXAMPLES = {p.name: p.read_text() for p in sorted((Path(__file__).parent.parent / "deploy" / "examples").glob("*.yml"))}
 _TMP = tempfile.TemporaryDirectory(prefix="kvledger-fuzz-config-")

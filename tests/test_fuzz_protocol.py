@@ -20,7 +20,7 @@ from fuzz_support import EXTREMES, FUZZ, assert_exports_cleanly, assert_facts_in
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from kvledger.model.limits import MAX_BLOCKS, MAX_REQUESTS, MAX_SAFE_INT, MAX_TOKENS
+from kvledger.domain.limits import MAX_BLOCKS, MAX_REQUESTS, MAX_SAFE_INT, MAX_TOKENS
 from kvledger.protocol.reader import ProtocolError, facts_from_document, facts_from_json, schema_errors, typed_facts
 
 POOL_INTS = ("block_size", "block_bytes", "num_blocks", "sliding_window", "references", "shared", "cached_blocks",

@@ -11,7 +11,7 @@ from fuzz_support import FUZZ
 from hypothesis import given
 
 from kvledger.collect.sources.sglang.metrics import sglang_facts
-from kvledger.config.model import EngineConfig
+from kvledger.config.types import EngineConfig
 
 CAPTURES = {p.name: p.read_text() for p in sorted((Path(__file__).parent / "fixtures" / "sglang").glob("*.txt"))}
 CFG = EngineConfig(name="fuzz", kind="sglang", url="http://127.0.0.1:30000/metrics", block_bytes=2 << 20, max_model_len=8192, gpus=(0,))

@@ -11,7 +11,7 @@ from fuzz_support import FUZZ
 from hypothesis import given
 
 from kvledger.collect.sources.triton_trtllm.metrics import triton_trtllm_facts
-from kvledger.config.model import EngineConfig
+from kvledger.config.types import EngineConfig
 
 CAPTURES = {p.name: p.read_text() for p in sorted((Path(__file__).parent / "fixtures" / "triton-trtllm").glob("*.txt"))}
 CFG = EngineConfig(name="fuzz", kind="triton-trtllm", url="http://127.0.0.1:8002/metrics", block_bytes=1 << 20, max_model_len=8192, gpus=(0,))

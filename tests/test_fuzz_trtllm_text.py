@@ -11,7 +11,7 @@ from fuzz_support import FUZZ
 from hypothesis import given
 
 from kvledger.collect.sources.trtllm.metrics import trtllm_facts
-from kvledger.config.model import EngineConfig
+from kvledger.config.types import EngineConfig
 
 CAPTURES = {p.name: p.read_text() for p in sorted((Path(__file__).parent / "fixtures" / "trtllm").glob("*.txt"))}
 CFG = EngineConfig(name="fuzz", kind="trtllm", url="http://127.0.0.1:8000/prometheus/metrics", block_bytes=1 << 20, max_model_len=8192, gpus=(0,))

@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 
 from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.vllm.metrics import USAGE_CHECK, WHOLE_BLOCKS_CHECK, vllm_facts_from_metrics
-from kvledger.config.model import EngineConfig
-from kvledger.model.facts import Snapshot
-from kvledger.model.limits import MAX_SAFE_INT
+from kvledger.config.types import EngineConfig
+from kvledger.domain.facts import Snapshot
+from kvledger.domain.limits import MAX_SAFE_INT
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 CAPTURES = {p.name: p.read_text() for p in sorted(FIXTURES.glob("*.txt"))}

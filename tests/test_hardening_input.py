@@ -47,7 +47,7 @@ from kvledger.collect.sources.registry import build_sources
 from kvledger.collect.sources.vllm.startup_log import VllmLogReader
 from kvledger.config.files import read_regular
 from kvledger.config.loader import config_from_mapping, load_config
-from kvledger.config.model import ConfigError
+from kvledger.config.types import ConfigError
 from kvledger.protocol.reader import ProtocolError, facts_from_document
 from kvledger.web.runtime import WebRuntime
 

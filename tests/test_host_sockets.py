@@ -13,7 +13,7 @@ import pytest
 
 from kvledger.collect.sources.base import EnginePatch, SourceError
 from kvledger.collect.sources.host_sockets import HostSocketSource, PortQueues, read_port_queues
-from kvledger.model.facts import EngineFacts, HostFacts, Snapshot
+from kvledger.domain.facts import EngineFacts, HostFacts, Snapshot
 
 BUF = 64 * 1024
 

@@ -13,7 +13,7 @@ import pytest
 from harness.hostile import HostileEngine
 from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.http_client import HttpClient, redact_url
-from kvledger.model.limits import MAX_TEXT_LINES
+from kvledger.domain.limits import MAX_TEXT_LINES
 from kvledger_engine.document_server import serve_unix
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger.model.facts import Budgets, EngineFacts, KvGroupFacts, PoolFacts, RequestFacts
-from kvledger.model.limits import MAX_RESERVATION
+from kvledger.domain.facts import Budgets, EngineFacts, KvGroupFacts, PoolFacts, RequestFacts
+from kvledger.domain.limits import MAX_RESERVATION
 from kvledger.output.prometheus import render_text
 from kvledger.policy.engine_accounts import engine_account
 from kvledger.protocol.reader import ProtocolError, facts_from_document, schema_errors
@@ -146,7 +146,7 @@ def test_bad_groups_are_named(groups: object, path: str, says: str) -> None:
 def test_render_has_one_series_per_group() -> None:
     from accounting_support import accounts_of
 
-    from kvledger.model.facts import Snapshot
+    from kvledger.domain.facts import Snapshot
 
     e = EngineFacts(name="e", kind="ledger", source="ledger", pools=[pool(GEMMA)], requests=[req("a", 922, 100, held=35)],
                     budgets=Budgets(max_model_len=2048))  # fmt: skip
@@ -161,7 +161,7 @@ def test_a_stock_hybrid_vllm_is_bounded_by_its_own_sizing_before_its_events() ->
     kv_cache_max_concurrency 3.657 of 256 blocks is 70 blocks a request at max_model_len, so
     two running requests are bounded by 140 blocks, not the 64 of one full-attention group."""
     from kvledger.collect.sources.vllm.metrics import vllm_facts_from_metrics
-    from kvledger.config.model import EngineConfig
+    from kvledger.config.types import EngineConfig
 
     text = (
         'vllm:cache_config_info{block_size="32",engine="0",kv_cache_max_concurrency="3.657142857142857",'

@@ -7,8 +7,8 @@ import pytest
 from kvledger.collect.merge import apply_contribution, configured_facts
 from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.document import LedgerSource
-from kvledger.config.model import EngineConfig, HostConfig, LimitConfig, MemoryConfig, ProcessMatch, SizeWithSource, TenantConfig
-from kvledger.model.facts import Limit, MemoryTerm, Snapshot, TenantQuota
+from kvledger.config.types import EngineConfig, HostConfig, LimitConfig, MemoryConfig, ProcessMatch, SizeWithSource, TenantConfig
+from kvledger.domain.facts import Limit, MemoryTerm, Snapshot, TenantQuota
 from kvledger_engine.document_server import serve_http, serve_unix
 from kvledger_engine.reference_ledger import Ledger, PoolSpec
 
@@ -171,7 +171,7 @@ def test_document_without_budgets_takes_them_from_config():
 def test_unchanged_document_is_not_parsed_again(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """An idle engine serves the same bytes: the source reuses its facts; a change is seen."""
     import kvledger.collect.sources.document as ledger_mod
-    from kvledger.config.model import EngineConfig
+    from kvledger.config.types import EngineConfig
     from kvledger_engine.document_server import serve_http
 
     doc = {"schema": "kvledger/v1", "pools": [{"id": "0", "block_size": 16, "block_bytes": 1, "num_blocks": 10}], "requests": []}

@@ -22,9 +22,9 @@ from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.llamacpp.documents import parse_props, parse_slots
 from kvledger.collect.sources.llamacpp.mapping import TOKENS_CHECK, USAGE_CHECK, llamacpp_facts
 from kvledger.collect.sources.llamacpp.metrics import parse_metrics
-from kvledger.config.model import EngineConfig
-from kvledger.model.accounts import EngineAccount
-from kvledger.model.facts import EngineFacts, Snapshot
+from kvledger.config.types import EngineConfig
+from kvledger.domain.accounts import EngineAccount
+from kvledger.domain.facts import EngineFacts, Snapshot
 from kvledger.policy.invariants import ENGINE_RESERVED_CHECK
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llamacpp"
@@ -355,7 +355,7 @@ def test_block_bytes_from_a_model_config(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
                                   "hidden_size": 2048, "head_dim": 64, "torch_dtype": "bfloat16"}))
-    from kvledger.config.model import ModelDerivation
+    from kvledger.config.types import ModelDerivation
 
     facts = _facts([_slot(0, 512, False, 0)], _cfg(model=ModelDerivation(str(config))))
     assert facts.pools[0].block_bytes == 16 * 2 * 8 * 64 * 2  # per token: layers x (K, V) x heads x dims x bf16

@@ -14,8 +14,8 @@ from kvledger.collect.sources.base import EngineContribution, SourceError, Subso
 from kvledger.collect.sources.llamacpp.source import LlamacppSource, endpoints
 from kvledger.collect.sources.registry import build_sources
 from kvledger.config.loader import load_config
-from kvledger.config.model import EngineConfig
-from kvledger.model.limits import MAX_TEXT_LINES
+from kvledger.config.types import EngineConfig
+from kvledger.domain.limits import MAX_TEXT_LINES
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llamacpp"
 CASE = "llamacpp-pre13660"
@@ -213,7 +213,7 @@ engines:
     [("kv_unified: yes-please", "expected true or false"), ("log_file: /tmp/x.log", "log_file is for kind vllm only")],
 )
 def test_bad_keys_are_refused_by_name(tmp_path: Path, line: str, message: str) -> None:
-    from kvledger.config.model import ConfigError
+    from kvledger.config.types import ConfigError
 
     path = tmp_path / "kvledger.yml"
     path.write_text(f"engines:\n  - name: llama\n    kind: llamacpp\n    url: http://127.0.0.1:8080\n    {line}\n")

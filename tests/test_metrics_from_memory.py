@@ -17,7 +17,7 @@ import pytest
 from harness.prometheus import start_prometheus
 from kvledger.collect.collector import Collector
 from kvledger.collect.sources.document import LedgerSource
-from kvledger.config.model import EngineConfig
+from kvledger.config.types import EngineConfig
 from kvledger.output.prometheus import render_text
 from kvledger.web.connection import Request
 from kvledger.web.endpoints import Endpoints, accepts_gzip

@@ -17,7 +17,7 @@ from accounting_support import accounts_of
 from test_exposition import rich_snapshot
 
 from kvledger import BuildInfo
-from kvledger.model.accounts import ConfigReload
+from kvledger.domain.accounts import ConfigReload
 from kvledger.output.catalog import CATALOG
 from kvledger.output.prometheus import render_text
 

@@ -12,7 +12,7 @@ from fake_nvml import GIB, MIB, FakeGpu, Inventory
 
 from kvledger.collect.sources.base import GpuContribution, SourceError
 from kvledger.collect.sources.nvml import NvmlSource
-from kvledger.model.facts import GpuProcess
+from kvledger.domain.facts import GpuProcess
 
 
 class FakeClock:

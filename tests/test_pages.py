@@ -23,11 +23,11 @@ from tls_support import bcrypt_hash
 from kvledger.cli import main
 from kvledger.collect.collector import Collector
 from kvledger.collect.sources.base import Contribution, Source, SourceError
-from kvledger.model.accounts import Accounts
-from kvledger.model.facts import EngineFacts, PoolFacts, Snapshot
+from kvledger.domain.accounts import Accounts
+from kvledger.domain.facts import EngineFacts, PoolFacts, Snapshot
 from kvledger.output.prometheus import render_text
 from kvledger.tools.lab import MAX_REQUESTS, run_lab
-from kvledger.web.pages import ACCOUNTS_HEADER, LabRequestError, lab_document, ledger_document
+from kvledger.web.pages import ACCOUNTS_HEADER, LabRequestError, lab_page_data, ledger_page_data
 from kvledger.web.server import KvledgerHTTPServer, basic_auth_header
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ QUANTITIES = {"in_use": "kvledger_kv_in_use_bytes", "reclaimable": "kvledger_kv_
 
 def test_every_number_of_the_ledger_document_is_a_metrics_sample() -> None:
     accounts = rich_accounts()
-    doc = ledger_document(accounts, json_view=False)
+    doc = ledger_page_data(accounts, json_view=False)
     samples = metrics_samples(render_text(accounts).decode())
     assert doc["taken_at"] == accounts.taken_at and doc["sharing"] == "per-request"
     pools = {(e["engine"], p["pool"]): p for e in doc["engines"] for p in e["pools"]}
@@ -95,10 +95,10 @@ def test_every_number_of_the_ledger_document_is_a_metrics_sample() -> None:
 
 def test_tenant_names_only_with_the_json_view() -> None:
     accounts = rich_accounts()
-    hidden = ledger_document(accounts, json_view=False)
+    hidden = ledger_page_data(accounts, json_view=False)
     assert all("tenants" not in e for e in hidden["engines"])
     assert '"t1"' not in json.dumps(hidden)
-    shown = ledger_document(accounts, json_view=True)
+    shown = ledger_page_data(accounts, json_view=True)
     samples = metrics_samples(render_text(accounts).decode())
     reserved = [v for lab, v in samples["kvledger_tenant_reserved_bytes"] if lab == {"engine": "sim", "tenant": "t1"}]
     assert {e["engine"]: e["tenants"] for e in shown["engines"]}["sim"] == [
@@ -108,14 +108,14 @@ def test_tenant_names_only_with_the_json_view() -> None:
 def test_a_pool_without_bytes_per_block_is_drawn_in_blocks() -> None:
     pool = PoolFacts(id="x", block_size=16, num_blocks=10, in_use=3, reclaimable=2, free=5)
     accounts = accounts_of(Snapshot(engines=[EngineFacts(name="e", kind="ledger", source="ledger", pools=[pool])]))
-    (doc_pool,) = ledger_document(accounts, json_view=False)["engines"][0]["pools"]
+    (doc_pool,) = ledger_page_data(accounts, json_view=False)["engines"][0]["pools"]
     assert doc_pool["unit"] == "blocks" and doc_pool["capacity"] == 10
     assert (doc_pool["in_use"], doc_pool["reclaimable"], doc_pool["free"]) == ({"exact": 3}, {"exact": 2}, {"exact": 5})
     assert "quota_headroom" not in doc_pool  # headroom is exported in bytes only
 
 
 def test_no_accounts_yet() -> None:
-    doc = ledger_document(None, json_view=True)
+    doc = ledger_page_data(None, json_view=True)
     assert doc["taken_at"] is None and doc["engines"] == [] and doc["node_sources"] == []
 
 
@@ -124,7 +124,7 @@ def test_no_accounts_yet() -> None:
 
 @pytest.mark.parametrize(("capacity", "working_set"), [(4, 4), (3, 4), (1, 1), (5, 3), (2, 7), (256, 4096)])
 def test_the_lab_document_is_run_labs_run(capacity: int, working_set: int) -> None:
-    doc = lab_document(f"capacity={capacity}&working_set={working_set}")
+    doc = lab_page_data(f"capacity={capacity}&working_set={working_set}")
     result = run_lab(capacity, working_set, MAX_REQUESTS)
     steps = doc["steps"]
     assert doc["requests"] == doc["max_requests"] == MAX_REQUESTS == len(steps["key"])
@@ -140,9 +140,9 @@ def test_the_lab_document_is_run_labs_run(capacity: int, working_set: int) -> No
 
 
 def test_the_lab_documents_numbers() -> None:
-    assert lab_document("capacity=4&working_set=4")["steps"]["hits"][15] == 12
-    assert lab_document("capacity=3&working_set=4")["steps"]["hits"][15] == 0
-    short = lab_document("capacity=4&working_set=4&requests=16")
+    assert lab_page_data("capacity=4&working_set=4")["steps"]["hits"][15] == 12
+    assert lab_page_data("capacity=3&working_set=4")["steps"]["hits"][15] == 0
+    short = lab_page_data("capacity=4&working_set=4&requests=16")
     assert short["requests"] == 16 and short["totals"]["hits"] == 12
 
 
@@ -168,7 +168,7 @@ def test_the_lab_documents_numbers() -> None:
 ])
 def test_the_lab_refuses_what_it_cannot_run(query: str, message: str) -> None:
     with pytest.raises(LabRequestError, match=message):
-        lab_document(query)
+        lab_page_data(query)
 
 
 # ---------------------------------------------------------------- routes

@@ -28,7 +28,7 @@ from harness.browser import chromium, console_errors
 from harness.kvledger_daemon import Daemon, run_demo, run_lab
 from kvledger.collect.collector import Collector
 from kvledger.collect.sources.base import Contribution, EngineContribution, Source
-from kvledger.model.facts import Budgets, EngineFacts, KvGroupFacts, PoolFacts, RequestFacts, TenantQuota
+from kvledger.domain.facts import Budgets, EngineFacts, KvGroupFacts, PoolFacts, RequestFacts, TenantQuota
 from kvledger.tools.lab import MAX_REQUESTS
 from kvledger.tools.lab import run_lab as lab_run
 from kvledger.web.server import KvledgerHTTPServer

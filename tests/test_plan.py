@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from kvledger.cli import main
-from kvledger.model.block_bytes import ModelConfigError, kv_shape
+from kvledger.domain.block_bytes import ModelConfigError, kv_shape
 from kvledger.policy.reservations import reservation_blocks, window_blocks
 from kvledger.tools.plan import GPUS, ModelPlanInput, PlanError, parse_lengths, parse_live, parse_term, plan_from_live, plan_from_model
 from kvledger.tools.plan.layers import (

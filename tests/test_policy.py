@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from accounting_support import accounts_of
 
-from kvledger.model.facts import (
+from kvledger.domain.facts import (
     BlockRef,
     Budgets,
     EngineFacts,
@@ -16,7 +16,7 @@ from kvledger.model.facts import (
     Snapshot,
     TenantQuota,
 )
-from kvledger.model.measure import Measure
+from kvledger.domain.measure import Measure
 from kvledger.policy.engine_accounts import admission_headroom, engine_account
 from kvledger.policy.physical import physical_state
 from kvledger.policy.reservations import reservation_blocks

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ledger_checks import design_reservation
 
-from kvledger.model.accounts import EngineAccount
-from kvledger.model.facts import BlockRef, Budgets, EngineFacts, PoolFacts, RequestFacts
+from kvledger.domain.accounts import EngineAccount
+from kvledger.domain.facts import BlockRef, Budgets, EngineFacts, PoolFacts, RequestFacts
 from kvledger.policy.engine_accounts import engine_account
 
 BLOCK = 16
@@ -223,7 +223,7 @@ def test_releasing_one_request_never_frees_blocks_others_reference(
 @settings(max_examples=100, deadline=None)
 @given(ledgers())
 def test_columnar_block_refs_agree_with_objects(case: tuple[PoolFacts, list[RequestFacts], int]) -> None:
-    from kvledger.model.block_refs import BlockRefArray
+    from kvledger.domain.block_refs import BlockRefArray
     from kvledger.policy.physical import physical_from_block_refs
 
     pool, _, _ = case

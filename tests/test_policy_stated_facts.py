@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 from accounting_support import accounts_of
 
-from kvledger.model.facts import Budgets, EngineFacts, PoolFacts, Snapshot
-from kvledger.model.measure import Measure
+from kvledger.domain.facts import Budgets, EngineFacts, PoolFacts, Snapshot
+from kvledger.domain.measure import Measure
 
 
 def account(pool: PoolFacts, sharing: str = "per-request", max_model_len: int | None = 1024, max_num_seqs: int | None = None):  # type: ignore[no-untyped-def]

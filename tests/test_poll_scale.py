@@ -29,7 +29,7 @@ from kvledger.collect.collector import Collector
 from kvledger.collect.sources.base import Contribution, EngineContribution, Source, SourceError
 from kvledger.collect.sources.http_client import HttpClient
 from kvledger.config.loader import load_config
-from kvledger.model.facts import EngineFacts, PoolFacts
+from kvledger.domain.facts import EngineFacts, PoolFacts
 
 
 def facts(engine: str) -> EngineContribution:
@@ -289,7 +289,7 @@ def test_engine_families_are_each_engines_lines_made_once() -> None:
     from workload import scrape_snapshot
 
     from kvledger.collect.accounting import AccountCache, account_snapshot
-    from kvledger.config.model import LimitsConfig
+    from kvledger.config.types import LimitsConfig
     from kvledger.output import prometheus as out
     from kvledger.output.catalog import CATALOG
 

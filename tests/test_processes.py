@@ -13,7 +13,7 @@ import pytest
 
 from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.processes import resolve_pids
-from kvledger.config.model import ProcessMatch
+from kvledger.config.types import ProcessMatch
 
 # parent (argv carries the marker) -> child "engine core" -> grandchild "worker";
 # each prints its PID once it exists, then waits for stdin to close.

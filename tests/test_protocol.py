@@ -4,8 +4,8 @@ import json
 import pytest
 from jsonschema import Draft202012Validator
 
-from kvledger.model.block_refs import BlockRefArray
-from kvledger.model.facts import BlockRef, Limit, MemoryTerm, TenantQuota
+from kvledger.domain.block_refs import BlockRefArray
+from kvledger.domain.facts import BlockRef, Limit, MemoryTerm, TenantQuota
 from kvledger.protocol.reader import ProtocolError, facts_from_document, facts_from_json, load_schema, validate_document
 
 EXAMPLE = {
@@ -222,8 +222,8 @@ def test_block_ref_array_behaves_as_a_sequence():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kvledger.model.facts import RequestFacts  # noqa: E402
-from kvledger.model.limits import MAX_BLOCKS  # noqa: E402
+from kvledger.domain.facts import RequestFacts  # noqa: E402
+from kvledger.domain.limits import MAX_BLOCKS  # noqa: E402
 from kvledger.protocol.reader import typed_facts  # noqa: E402
 
 
@@ -285,9 +285,9 @@ def test_canonical_requests_are_read_by_type(raw: dict) -> None:  # type: ignore
 
 # ---------------------------------------------------------------- one definition, held to the schema
 
-from kvledger.model.facts import OUTPUT_BOUNDS, REQUEST_STATES  # noqa: E402
-from kvledger.model.limits import MAX_REQUESTS, REQUEST_INT_RANGES  # noqa: E402
-from kvledger.model.request_table import INT_COLUMNS  # noqa: E402
+from kvledger.domain.facts import OUTPUT_BOUNDS, REQUEST_STATES  # noqa: E402
+from kvledger.domain.limits import MAX_REQUESTS, REQUEST_INT_RANGES  # noqa: E402
+from kvledger.domain.request_table import INT_COLUMNS  # noqa: E402
 from kvledger.protocol import fast_decoder  # noqa: E402
 from kvledger.protocol.wire import FIELDS, REQUEST_FIELDS, REQUIRED, Field  # noqa: E402
 

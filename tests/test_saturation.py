@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from accounting_support import accounts_of
 
-from kvledger.model.facts import Budgets, EngineFacts, PoolFacts, Snapshot
-from kvledger.model.measure import Measure
+from kvledger.domain.facts import Budgets, EngineFacts, PoolFacts, Snapshot
+from kvledger.domain.measure import Measure
 from kvledger.output.catalog import BY_NAME
 from kvledger.policy.saturation import CONSTRAINTS, binding_constraint, token_budget_ratio
 from kvledger.protocol.reader import facts_from_document

@@ -16,9 +16,9 @@ from kvledger.collect.merge import configured_facts, merge
 from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.sglang.metrics import PAGE_CHECK, SUM_CHECK, USED_CHECK, sglang_facts
 from kvledger.collect.sources.sglang.source import page_size_from_server_info
-from kvledger.config.model import EngineConfig
-from kvledger.model.facts import Snapshot
-from kvledger.model.measure import Measure
+from kvledger.config.types import EngineConfig
+from kvledger.domain.facts import Snapshot
+from kvledger.domain.measure import Measure
 
 DIR = FIXTURES / "sglang"
 OLD = (DIR / "sglang-before-kv-gauges-tp2-metrics.txt").read_text()

@@ -34,8 +34,8 @@ from hypothesis import strategies as st
 
 from kvledger.collect.sources.document import parse_document
 from kvledger.collect.sources.http_client import HttpClient
-from kvledger.model.accounts import EngineAccount
-from kvledger.model.facts import EngineFacts, Snapshot
+from kvledger.domain.accounts import EngineAccount
+from kvledger.domain.facts import EngineFacts, Snapshot
 from kvledger.protocol.reader import schema_errors
 from kvledger_engine.sglang.settings import ENV_INTERVAL, ENV_LEDGER, ENV_TENANT, ENV_UNTESTED, Settings, SettingsError
 

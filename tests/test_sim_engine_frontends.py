@@ -13,8 +13,8 @@ from accounting_support import accounts_of
 from kvledger.collect.merge import configured_facts, merge
 from kvledger.collect.sources.registry import SOURCES
 from kvledger.config.engine_kinds import KINDS
-from kvledger.model.accounts import EngineAccount
-from kvledger.model.facts import Snapshot
+from kvledger.domain.accounts import EngineAccount
+from kvledger.domain.facts import Snapshot
 from kvledger.sim.demo import demo_profiles, exposition_engine_config
 from kvledger.sim.engine import SimEngine
 from kvledger.sim.engine_frontends import FRONTENDS

@@ -12,7 +12,7 @@ from kvledger.collect.merge import configured_facts, merge
 from kvledger.collect.sources.llamacpp.documents import parse_props, parse_slots
 from kvledger.collect.sources.llamacpp.metrics import parse_metrics
 from kvledger.collect.sources.llamacpp.source import LlamacppSource
-from kvledger.model.facts import Snapshot
+from kvledger.domain.facts import Snapshot
 from kvledger.sim.demo import llamacpp_engine_config
 from kvledger.sim.llamacpp_server import SimLlamacpp, SimLlamacppProfile
 

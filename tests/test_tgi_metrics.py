@@ -13,9 +13,9 @@ from engine_golden import FIXTURES, check_golden
 from kvledger.collect.merge import configured_facts, merge
 from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.tgi.metrics import tgi_facts
-from kvledger.config.model import EngineConfig
-from kvledger.model.facts import Snapshot
-from kvledger.model.measure import Measure
+from kvledger.config.types import EngineConfig
+from kvledger.domain.facts import Snapshot
+from kvledger.domain.measure import Measure
 
 DIR = FIXTURES / "tgi"
 V3 = (DIR / "tgi-3-flashinfer-metrics.txt").read_text()

@@ -12,9 +12,9 @@ from engine_golden import FIXTURES, check_golden
 
 from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.triton_trtllm.metrics import PAUSED_CHECK, USED_CHECK, triton_trtllm_facts
-from kvledger.config.model import EngineConfig
-from kvledger.model.facts import Snapshot
-from kvledger.model.measure import Measure
+from kvledger.config.types import EngineConfig
+from kvledger.domain.facts import Snapshot
+from kvledger.domain.measure import Measure
 
 DIR = FIXTURES / "triton-trtllm"
 NEW = (DIR / "triton-trtllm-metrics-names-metrics.txt").read_text()

@@ -16,9 +16,9 @@ from kvledger.collect.merge import configured_facts, merge
 from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.registry import engine_sources
 from kvledger.collect.sources.trtllm.metrics import PAUSED_CHECK, USED_CHECK, trtllm_facts
-from kvledger.config.model import ConfigError, EngineConfig
-from kvledger.model.facts import Snapshot
-from kvledger.model.measure import Measure
+from kvledger.config.types import ConfigError, EngineConfig
+from kvledger.domain.facts import Snapshot
+from kvledger.domain.measure import Measure
 
 DIR = FIXTURES / "trtllm"
 FULL = (DIR / "trtllm-serve-block-gauges-metrics.txt").read_text()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.model import facts
+from kvledger.domain import facts
 
 ROOT = Path(__file__).resolve().parent.parent
 #: "# type: ignore[code, ...]  # reason": a code list and a comment after it on the same line

@@ -351,7 +351,7 @@ def test_a_hybrid_models_groups_come_from_its_events_and_bound_every_group() -> 
     hashes), group 2 full attention. The stock path states the three groups and bounds each
     running request by every group's blocks at max_model_len."""
     from kvledger.collect.sources.vllm.source import _with_event_groups
-    from kvledger.model.facts import Budgets, EngineFacts, PoolFacts
+    from kvledger.domain.facts import Budgets, EngineFacts, PoolFacts
     from kvledger.policy.engine_accounts import engine_account
 
     led = KvEventState()
@@ -373,7 +373,7 @@ def test_a_hybrid_models_groups_come_from_its_events_and_bound_every_group() -> 
 
 def test_a_group_without_a_stated_kind_is_bounded_as_full_attention_and_mamba_by_its_states() -> None:
     from kvledger.collect.sources.vllm.source import STOCK_STATE_BLOCKS, _with_event_groups
-    from kvledger.model.facts import PoolFacts
+    from kvledger.domain.facts import PoolFacts
 
     led = KvEventState()
     led.receive(0, _payload([_hybrid_stored(0, [1], "mamba"), _hybrid_stored(2, [5], "chunked_local_attention"),

@@ -40,17 +40,17 @@ from hypothesis import strategies as st
 from kvledger.collect.sources.base import SourceError, SubsourceReport
 from kvledger.collect.sources.document import parse_document
 from kvledger.collect.sources.http_client import HttpClient
-from kvledger.collect.sources.vllm.engine_documents import merge_ledger
+from kvledger.collect.sources.vllm.engine_documents import merge_rank_facts
 from kvledger.collect.sources.vllm.metrics import vllm_facts_from_metrics
 from kvledger.collect.sources.vllm.source import HAND_OVER_SECONDS, VllmSource, part_timeout
-from kvledger.config.model import EngineConfig
-from kvledger.model.facts import Budgets, EngineFacts
+from kvledger.config.types import EngineConfig
+from kvledger.domain.facts import Budgets, EngineFacts
 from kvledger.policy.engine_accounts import engine_account
 from kvledger.protocol.reader import facts_from_document, schema_errors
 from kvledger_engine.document_server import serve_unix
 from kvledger_engine.vllm import internals, plugin
-from kvledger_engine.vllm.document import LedgerDocument, PoolStatic, RequestRow
 from kvledger_engine.vllm.engine_core import EngineLedger
+from kvledger_engine.vllm.published import PoolStatic, PublishedLedger, RequestRow
 from kvledger_engine.vllm.settings import ENV_INTERVAL, ENV_LEDGER, ENV_TENANT, ENV_UNTESTED, Settings, SettingsError
 from kvledger_engine.vllm.tenant_header import MAX_TENANT_CHARS, TenantHeader
 from kvledger_engine.vllm.tracker import PoolSummary, PoolTracker, Throttle
@@ -1408,7 +1408,7 @@ def metrics_facts(body: bytes = METRICS_CPU, cached: int | None = None) -> Engin
 def test_merge_ledger_takes_pools_requests_and_budgets_from_the_ledger() -> None:
     metrics = metrics_facts(cached=83)  # the KV-event count, as the events sub-source sets it
     doc = facts_from_document(ledger_doc(), "tiny")
-    merged = merge_ledger(metrics, {"0": doc})
+    merged = merge_rank_facts(metrics, {"0": doc})
     (pool,) = merged.pools
     assert (pool.in_use, pool.reclaimable, pool.free, pool.references, pool.shared) == (20, 10, 97, 24, 4)
     assert (pool.num_blocks, pool.block_size, pool.block_bytes) == (127, 32, 16384)
@@ -1437,7 +1437,7 @@ def test_merge_ledger_takes_pools_requests_and_budgets_from_the_ledger() -> None
 ])
 def test_merge_ledger_refuses_what_does_not_match(ledgers: dict[str, dict[str, Any]], message: str) -> None:
     with pytest.raises(SourceError) as err:
-        merge_ledger(metrics_facts(), {rank: facts_from_document(d, "tiny") for rank, d in ledgers.items()})
+        merge_rank_facts(metrics_facts(), {rank: facts_from_document(d, "tiny") for rank, d in ledgers.items()})
     assert err.value.reason == "schema" and message in err.value.message
 
 
@@ -1453,7 +1453,7 @@ def test_merge_ledger_sums_per_rank_budgets(budgets1: dict[str, Any], expected: 
         "0": facts_from_document(ledger_doc("0", num_blocks=2047, block_bytes=2097152), "e"),
         "1": facts_from_document(ledger_doc("1", num_blocks=2047, block_bytes=2097152, budgets=budgets1), "e"),
     }
-    merged = merge_ledger(metrics, ledgers)
+    merged = merge_rank_facts(metrics, ledgers)
     assert merged.budgets == expected and metrics.budgets.iteration_tokens is None
     assert [p.id for p in merged.pools] == ["0", "1"] and sorted({r.pool for r in merged.requests or []}) == ["0", "1"]
 
@@ -1469,11 +1469,11 @@ def test_merge_ledger_adds_the_ranks_windows_and_keeps_each_pools_preempted_toke
         doc["pools"][0]["preempted_tokens"] = preempted
         return facts_from_document(doc, "e")
 
-    merged = merge_ledger(metrics, {"0": rank("0", {"window_scheduled_tokens": 900, "window_iterations": 10}, 40),
+    merged = merge_rank_facts(metrics, {"0": rank("0", {"window_scheduled_tokens": 900, "window_iterations": 10}, 40),
                                     "1": rank("1", {"window_scheduled_tokens": 300, "window_iterations": 9}, 7)})
     assert (merged.budgets.window_scheduled_tokens, merged.budgets.window_iterations) == (1200, 10)
     assert [(p.id, p.preempted_tokens) for p in merged.pools] == [("0", 40), ("1", 7)]
-    partial = merge_ledger(metrics, {"0": rank("0", {"window_scheduled_tokens": 900, "window_iterations": 10}, 0),
+    partial = merge_rank_facts(metrics, {"0": rank("0", {"window_scheduled_tokens": 900, "window_iterations": 10}, 0),
                                      "1": rank("1", {}, 0)})
     assert (partial.budgets.window_scheduled_tokens, partial.budgets.window_iterations) == (None, None)
 
@@ -1950,7 +1950,7 @@ def _row(rid: str, **kw: Any) -> RequestRow:
 
 def test_the_document_renders_what_changed_and_caches_the_rest() -> None:
     static = PoolStatic(id="0", block_size=16, block_bytes=4096, num_blocks=100, sliding_window=None, speculative_slots=2)
-    document = LedgerDocument({"kind": "vllm", "version": "0.32.0"}, static, {"name": "kvledger-vllm", "dp_rank": 0})
+    document = PublishedLedger({"kind": "vllm", "version": "0.32.0"}, static, {"name": "kvledger-vllm", "dp_rank": 0})
     with pytest.raises(ValueError, match="has not scheduled yet"):
         document.render()
     summary = PoolSummary(in_use=3, reclaimable=1, free=96, references=4, shared=1)

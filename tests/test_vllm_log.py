@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvledger.collect.sources.vllm.startup_log import GIB, VllmLogReader, memory_terms, parse_vllm_log
-from kvledger.model.facts import MemoryTerm
+from kvledger.domain.facts import MemoryTerm
 
 LOG_0102 = """\
 INFO 09-14 10:00:01 [__init__.py:216] Automatically detected platform cuda.

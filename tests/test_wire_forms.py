@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 from test_fuzz_protocol import documents
 
 from kvledger.collect.sources.document import LedgerSource
-from kvledger.config.model import EngineConfig
-from kvledger.model.facts import Snapshot
-from kvledger.model.request_table import RequestTable
+from kvledger.config.types import EngineConfig
+from kvledger.domain.facts import Snapshot
+from kvledger.domain.request_table import RequestTable
 from kvledger.output.prometheus import render_text
 from kvledger.protocol.fast_decoder import TypedRows, decode, table_from_rows
 from kvledger.protocol.reader import (
@@ -38,7 +38,7 @@ from kvledger.protocol.reader import (
 )
 from kvledger_engine.document_server import COLUMNS_TYPE, serve_http, wants_columns
 from kvledger_engine.reference_ledger import Ledger, LedgerError, PoolSpec
-from kvledger_engine.vllm.document import LedgerDocument, PoolStatic, RequestRow
+from kvledger_engine.vllm.published import PoolStatic, PublishedLedger, RequestRow
 from kvledger_engine.vllm.tracker import PoolSummary
 
 REQUEST_KEYS = ("id", "tenant", "pool", "state", "prompt_tokens", "max_output_tokens", "output_bound", "generated_tokens",
@@ -372,9 +372,9 @@ def test_ledger_source_reads_a_plain_v1_server_unchanged() -> None:
 # ---------------------------------------------------------------- the vLLM integration's document
 
 
-def vllm_document(n: int, seed: int, tenants: bool) -> LedgerDocument:
+def vllm_document(n: int, seed: int, tenants: bool) -> PublishedLedger:
     rng = random.Random(seed)
-    doc = LedgerDocument({"kind": "vllm", "version": "0.32.0"}, PoolStatic("0", 16, 65536, 5000, None, 2), {"name": "t"})
+    doc = PublishedLedger({"kind": "vllm", "version": "0.32.0"}, PoolStatic("0", 16, 65536, 5000, None, 2), {"name": "t"})
     rows = {}
     for i in range(n):
         state = rng.choice(["running", "running", "waiting", "preempted"])

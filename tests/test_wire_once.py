@@ -91,7 +91,7 @@ def test_the_daemon_reads_the_engines_definition() -> None:
 def test_the_daemon_takes_every_wire_word_from_the_engine_side() -> None:
     """Request fields, group kinds, admission and overflow modes, states, output bounds,
     counters and the request ranges: the daemon's names are the engine-side objects."""
-    from kvledger.model import facts, limits
+    from kvledger.domain import facts, limits
     from kvledger_engine import wire_terms
 
     for name in ("ADMISSIONS", "OVERFLOWS", "REQUEST_STATES", "OUTPUT_BOUNDS", "COUNTER_NAMES", "GROUP_KINDS",
@@ -111,7 +111,7 @@ def test_the_schema_spells_the_wire_terms() -> None:
 
 #: the engine-side modules that write kvledger/v1 requests (the SGLang plugin's ledger
 #: publishes through the vLLM plugin's document, which writes through the writer)
-PRODUCERS = ("vllm/document.py", "reference_ledger.py")
+PRODUCERS = ("vllm/published.py", "reference_ledger.py")
 
 
 def test_every_engine_side_producer_writes_requests_through_the_writer() -> None:
@@ -120,7 +120,7 @@ def test_every_engine_side_producer_writes_requests_through_the_writer() -> None
     JSON key in text."""
     for name in PRODUCERS:
         assert "RequestWriter" in (ENGINE / name).read_text(), name
-    assert "LedgerDocument(" in (ENGINE / "sglang" / "ledger.py").read_text()
+    assert "PublishedLedger(" in (ENGINE / "sglang" / "ledger.py").read_text()
     for path in ENGINE.rglob("*.py"):
         if path.name != "request_wire.py":
             text = path.read_text()

@@ -1,6 +1,6 @@
 """The words of the kvledger/v1 document: every enumeration a producer may write and the
-daemon reads (its ``model.facts`` takes them from here, so both sides spell them once), and
-the numeric ranges of a request's fields (``model.limits`` takes them from here).
+daemon reads (its ``domain.facts`` takes them from here, so both sides spell them once), and
+the numeric ranges of a request's fields (``domain.limits`` takes them from here).
 
 The value tuples spell out their Literal (tests/test_type_gate.py checks they agree).
 """

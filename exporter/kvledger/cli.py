@@ -25,10 +25,10 @@ from kvledger.collect.sources.base import Source
 from kvledger.config.files import open_regular, why
 from kvledger.config.listen import listen_address
 from kvledger.config.loader import load_config, parse_duration
-from kvledger.config.model import MAX_INTERVAL, MIN_INTERVAL, Config, ConfigError
-from kvledger.model.accounts import Accounts, ConfigReload
-from kvledger.model.facts import EngineFacts, Sharing
-from kvledger.model.limits import MAX_CONTEXTS, MAX_TOKENS
+from kvledger.config.types import MAX_INTERVAL, MIN_INTERVAL, Config, ConfigError
+from kvledger.domain.accounts import Accounts, ConfigReload
+from kvledger.domain.facts import EngineFacts, Sharing
+from kvledger.domain.limits import MAX_CONTEXTS, MAX_TOKENS
 from kvledger.output.json_view import accounts_to_json
 from kvledger.web.server import KvledgerHTTPServer
 
@@ -364,7 +364,7 @@ def parse_faults(values: Sequence[str]) -> dict[str, str]:
 
 def demo_config(demo: Demo, listen: str, interval: float, sharing: Sharing) -> Config:
     """The daemon's configuration in `kvledger demo`: the simulated engines, no NVML."""
-    from kvledger.config.model import NvmlConfig
+    from kvledger.config.types import NvmlConfig
 
     return Config(
         listen=listen,

@@ -35,8 +35,8 @@ from accounting_support import accounts_of
 
 from kvledger.collect.sources.document import parse_document
 from kvledger.collect.sources.http_client import HttpClient
-from kvledger.model.accounts import EngineAccount
-from kvledger.model.facts import EngineFacts, Snapshot
+from kvledger.domain.accounts import EngineAccount
+from kvledger.domain.facts import EngineFacts, Snapshot
 
 from .server import SglangServer, http_post_json, prefix_ids, suffix_ids
 

@@ -520,7 +520,7 @@ class VllmServer:
         if status != 200:
             raise RuntimeError(f"POST /resume answered {status}: {text[:500]}")
 
-    def ledger_document(self, timeout: float = 10.0) -> dict[str, object]:
+    def ledger_page_data(self, timeout: float = 10.0) -> dict[str, object]:
         """GET / on the in-engine ledger's Unix socket, as JSON."""
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)

@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvledger_engine.vllm.document import PoolStatic, RequestRow
+from kvledger_engine.vllm.published import PoolStatic, RequestRow
 from kvledger_engine.vllm.tracker import PoolSummary
 
 #: SGLang release series this module was read against (SGLang 0.5.23's scheduler)

@@ -5,7 +5,7 @@ scheduler looks for work; when a publication is due (``Throttle``: at most every
 ``KVLEDGER_SGLANG_INTERVAL`` seconds and at most 1 % of the scheduler's time, always when
 the scheduler goes idle with something changed) the view's snapshot (one pass over the
 requests the scheduler holds) goes to the document; the document server's thread writes
-the JSON when a reader asks (``vllm.document.LedgerDocument``, through the one request
+the JSON when a reader asks (``vllm.published.PublishedLedger``, through the one request
 writer). Retractions are counted by ``on_retract`` (a wrapper of
 ``ScheduleBatch.retract_decode``).
 
@@ -24,8 +24,8 @@ from typing import Any
 from kvledger_engine.document_server import LedgerServer
 from kvledger_engine.sglang.internals import SchedulerView, Snapshot
 from kvledger_engine.sglang.settings import Settings
-from kvledger_engine.vllm.document import LedgerDocument
 from kvledger_engine.vllm.engine_core import SOCKET_MODE, AddressTaken, claim_address
+from kvledger_engine.vllm.published import PublishedLedger
 from kvledger_engine.vllm.tracker import Throttle
 
 logger = logging.getLogger("sglang.kvledger")
@@ -45,7 +45,7 @@ class SchedulerLedger:
         self._fingerprint: tuple[int, ...] | None = None
         self._known: set[str] = set()
         self.last: Snapshot | None = None
-        self.document = LedgerDocument(
+        self.document = PublishedLedger(
             engine={"kind": "sglang", "version": version},
             pool=view.static,
             integration={"name": "kvledger-sglang", "dp_rank": view.dp_rank, "pid": os.getpid()},

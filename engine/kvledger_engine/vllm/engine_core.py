@@ -25,8 +25,8 @@ from typing import Any
 
 from kvledger_engine.document_server import LedgerServer
 from kvledger_engine.iteration_window import IterationWindow
-from kvledger_engine.vllm.document import LedgerDocument, RequestRow
 from kvledger_engine.vllm.internals import EngineView, step_facts
+from kvledger_engine.vllm.published import PublishedLedger, RequestRow
 from kvledger_engine.vllm.settings import DP_PLACEHOLDER, ENV_LEDGER, Settings
 from kvledger_engine.vllm.tracker import PoolTracker, RequestTracker, Throttle
 
@@ -85,7 +85,7 @@ class EngineLedger:
         # requests the document shows running: a publication reads them again (finished by
         # the model, preempted, or still running, their rows have changed)
         self.published_running: set[str] = set()
-        self.document = LedgerDocument(
+        self.document = PublishedLedger(
             engine={"kind": "vllm", "version": version},
             pool=static,
             integration={"name": "kvledger-vllm", "dp_rank": view.dp_rank, "pid": os.getpid()},

@@ -29,7 +29,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvledger_engine.vllm.document import GroupStatic, PoolStatic, RequestRow
+from kvledger_engine.vllm.published import GroupStatic, PoolStatic, RequestRow
 from kvledger_engine.wire_terms import CHUNKED_LOCAL_ATTENTION, FULL_ATTENTION, MAMBA, SLIDING_WINDOW
 
 logger = logging.getLogger("vllm.kvledger")

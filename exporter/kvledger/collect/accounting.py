@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 from kvledger.collect.label_limits import LabelLimitError, LimitCounts, limit_labels
 from kvledger.collect.sources.base import Contribution, EngineContribution
-from kvledger.config.model import LimitsConfig
-from kvledger.model.accounts import Accounts, EngineAccount
-from kvledger.model.facts import EngineFacts, Sharing, Snapshot
+from kvledger.config.types import LimitsConfig
+from kvledger.domain.accounts import Accounts, EngineAccount
+from kvledger.domain.facts import EngineFacts, Sharing, Snapshot
 from kvledger.policy.device_budget import budget_terms, gpu_accounts
 from kvledger.policy.engine_accounts import engine_account
 

@@ -38,9 +38,9 @@ from kvledger.collect.sources.base import (
     engine_position,
 )
 from kvledger.collect.sources.http_client import redact_text
-from kvledger.config.model import LimitsConfig
-from kvledger.model.accounts import Accounts, ConfigReload
-from kvledger.model.facts import EngineFacts, Sharing, Snapshot, SourceHealth
+from kvledger.config.types import LimitsConfig
+from kvledger.domain.accounts import Accounts, ConfigReload
+from kvledger.domain.facts import EngineFacts, Sharing, Snapshot, SourceHealth
 from kvledger.output.prometheus import check_renderable
 
 log = logging.getLogger("kvledger.collect.collector")

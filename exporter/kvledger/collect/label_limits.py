@@ -21,8 +21,8 @@ import dataclasses
 import hashlib
 from typing import Any
 
-from kvledger.config.model import LimitsConfig
-from kvledger.model.facts import EngineFacts
+from kvledger.config.types import LimitsConfig
+from kvledger.domain.facts import EngineFacts
 
 LimitCounts = dict[tuple[str, str], int]  # (label, action) -> distinct values
 

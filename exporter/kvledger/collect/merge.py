@@ -29,8 +29,8 @@ from typing import TypeVar
 
 from kvledger.collect.sources.base import Contribution, EngineContribution, engine_position
 from kvledger.config.engine_kinds import KINDS
-from kvledger.config.model import EngineConfig
-from kvledger.model.facts import Budgets, EngineFacts, HostFacts, Limit, MemoryTerm, Snapshot, TenantQuota
+from kvledger.config.types import EngineConfig
+from kvledger.domain.facts import Budgets, EngineFacts, HostFacts, Limit, MemoryTerm, Snapshot, TenantQuota
 
 T = TypeVar("T", Budgets, HostFacts)
 

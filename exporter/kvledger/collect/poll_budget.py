@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from kvledger.config.model import DEFAULT_MEMORY_BUDGET_BYTES
+from kvledger.config.types import DEFAULT_MEMORY_BUDGET_BYTES
 
 #: a body's parse is taken as costing this many times its size (decoded text, the parser's
 #: objects); measured: 10-13x for Prometheus text, 3-5x for kvledger/v1 documents

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvledger.model.facts import Admission, Overflow
+from kvledger.domain.facts import Admission, Overflow
 
 
 @dataclass(frozen=True)

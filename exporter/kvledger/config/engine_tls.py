@@ -8,7 +8,7 @@ from __future__ import annotations
 import ssl
 
 from kvledger.config.files import regular_path
-from kvledger.config.model import TlsClientConfig
+from kvledger.config.types import TlsClientConfig
 
 
 def client_ssl_context(tls: TlsClientConfig | None) -> ssl.SSLContext:

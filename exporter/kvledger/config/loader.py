@@ -27,7 +27,7 @@ import yaml
 from kvledger.config.engine_kinds import KINDS, PLANNED, kind_specific_keys
 from kvledger.config.files import check_header_text, open_regular, read_regular, read_secret_file, why
 from kvledger.config.listen import listen_address
-from kvledger.config.model import (
+from kvledger.config.types import (
     DEFAULT_INTERVAL,
     DEFAULT_LISTEN,
     DEFAULT_MAX_LABEL_LENGTH,
@@ -57,7 +57,7 @@ from kvledger.config.model import (
     TenantConfig,
     TlsClientConfig,
 )
-from kvledger.model.facts import (
+from kvledger.domain.facts import (
     ADMISSIONS,
     LIMIT_KINDS,
     NVML_ENABLED,
@@ -66,7 +66,7 @@ from kvledger.model.facts import (
     TERM_SOURCES,
     Sharing,
 )
-from kvledger.model.limits import MAX_SAFE_INT, MAX_TOKENS
+from kvledger.domain.limits import MAX_SAFE_INT, MAX_TOKENS
 
 #: largest integer a config list (gpus, pids) or count may hold
 _MAX_ID = 2**31 - 1

@@ -1,4 +1,4 @@
-"""The configuration reference, derived from the typed model (``config.model``): every key of
+"""The configuration reference, derived from the typed configuration (``config.types``): every key of
 a kvledger configuration file with its type, its default and the kinds that take it.
 
 The keys, types and defaults come from the dataclasses themselves; what each key means is
@@ -16,15 +16,15 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvledger.config import model
+from kvledger.config import types as config_types
 
 #: the YAML key of a field where it differs from the field's name; None: not a key of the file
 KEY: dict[tuple[type, str], str | None] = {
-    (model.Config, "sharing"): "policy.sharing",
-    (model.Config, "otlp_endpoint"): "otlp.endpoint",
-    (model.Config, "path"): None,  # the file's own path
-    (model.Config, "warnings"): None,  # what the loader noticed
-    (model.EngineConfig, "options"): None,  # the kinds' own keys: listed from the kinds' registrations
+    (config_types.Config, "sharing"): "policy.sharing",
+    (config_types.Config, "otlp_endpoint"): "otlp.endpoint",
+    (config_types.Config, "path"): None,  # the file's own path
+    (config_types.Config, "warnings"): None,  # what the loader noticed
+    (config_types.EngineConfig, "options"): None,  # the kinds' own keys: listed from the kinds' registrations
 }
 
 #: the memory budget terms' keys (memory.<key>: {value, source}); the loader reads the same names
@@ -128,7 +128,7 @@ def _describe(name: str, tp: Any) -> str:
         return "number"
     if typing.get_origin(tp) is tuple and args and args[0] is int:
         return "list of integers"
-    if tp is model.Secret:
+    if tp is config_types.Secret:
         return "text (secret: shown as `<secret>`)"
     if (tp is str and name.endswith("_file")) or name == "config":
         return "file path"
@@ -172,19 +172,19 @@ def _walk(cls: Any, prefix: str, common: bool) -> Iterator[Row]:
         if typing.get_origin(tp) in (typing.Union, types.UnionType):
             inner = next(a for a in typing.get_args(tp) if a is not type(None))
         args = typing.get_args(inner)
-        if inner is model.MemoryConfig:
+        if inner is config_types.MemoryConfig:
             yield Row(path, "mapping", "-", _kinds(common), MEANING[path])
             for term, meaning in MEMORY_KEYS.items():
                 yield Row(f"{path}.{term}", "`{value: SIZE, source: measured \\| configured \\| estimate}`", "-",
                           _kinds(common), meaning)
-        elif inner in (model.LimitConfig,):
+        elif inner in (config_types.LimitConfig,):
             yield Row(path, f"`{{value: {'SIZE' if key.endswith('_bytes') else 'N'}, kind: hard \\| estimate}}`", "-",
                       _kinds(common), MEANING[path])
         elif dataclasses.is_dataclass(inner):
             yield from _walk(inner, f"{path}.", common)
         elif typing.get_origin(inner) is tuple and args and dataclasses.is_dataclass(args[0]):
             yield Row(path, "list of mappings", "-", _kinds(bool(prefix)), MEANING[path])
-            yield from _walk(args[0], f"{path}[].", common or args[0] is model.EngineConfig)
+            yield from _walk(args[0], f"{path}[].", common or args[0] is config_types.EngineConfig)
         else:
             yield Row(path, _describe(f.name, tp), _default(f), _kinds(prefix.startswith("engines")),
                       MEANING[path])
@@ -197,7 +197,7 @@ def _kinds(engine_key: bool) -> str:
 def rows(kinds: Mapping[str, Any] | None = None) -> list[Row]:
     """Every key of the file: the model's fields, then each engine kind's own keys (``kinds``:
     the registrations of kvledger.config.engine_kinds, given by the caller)."""
-    out = list(_walk(model.Config, "", False))
+    out = list(_walk(config_types.Config, "", False))
     option_types = {"address": "URL", "zmq": "ZMQ endpoint (`tcp://HOST:PORT`, `ipc:///path`)", "path": "file path",
                     "boolean": "`true` \\| `false`", "tokens": "integer (tokens)",
                     "steps": "integer (engine steps)"}
@@ -218,4 +218,4 @@ def rows(kinds: Mapping[str, Any] | None = None) -> list[Row]:
 
 def field_paths() -> set[str]:
     """Every key path of the model (not the kinds' own keys): what MEANING must describe."""
-    return {r.key for r in _walk(model.Config, "", False) if not r.key.startswith("engines[].memory.")}
+    return {r.key for r in _walk(config_types.Config, "", False) if not r.key.startswith("engines[].memory.")}

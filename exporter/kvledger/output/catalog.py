@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvledger import build_info
-from kvledger.model.accounts import Accounts, ConfigReload, EngineAccount, PoolAccount
-from kvledger.model.limits import MAX_DOCUMENT_AGE
-from kvledger.model.measure import Measure
+from kvledger.domain.accounts import Accounts, ConfigReload, EngineAccount, PoolAccount
+from kvledger.domain.limits import MAX_DOCUMENT_AGE
+from kvledger.domain.measure import Measure
 
 Sample = tuple[tuple[str, ...], float]
 Extract = Callable[[Accounts], Iterable[Sample]]

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from kvledger.model.accounts import Accounts
-from kvledger.model.facts import SourceHealth
+from kvledger.domain.accounts import Accounts
+from kvledger.domain.facts import SourceHealth
 from kvledger.output.catalog import CATALOG
 
 

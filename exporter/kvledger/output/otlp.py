@@ -16,7 +16,7 @@ from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 
 from kvledger import __version__
-from kvledger.model.accounts import Accounts
+from kvledger.domain.accounts import Accounts
 from kvledger.output.catalog import CATALOG, MetricSpec
 
 UNITS = {"bytes": "By", "seconds": "s", "tokens": "{token}", "blocks": "{block}", "requests": "{request}", "": "1"}

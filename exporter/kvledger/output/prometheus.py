@@ -24,8 +24,8 @@ from prometheus_client.openmetrics.exposition import generate_latest as openmetr
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from kvledger.model.accounts import Accounts, EngineAccount
-from kvledger.model.limits import MAX_SAFE_INT
+from kvledger.domain.accounts import Accounts, EngineAccount
+from kvledger.domain.limits import MAX_SAFE_INT
 from kvledger.output.catalog import CATALOG, MetricSpec
 
 log = logging.getLogger("kvledger.output")

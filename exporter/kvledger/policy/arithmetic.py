@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvledger.model.measure import Measure
+from kvledger.domain.measure import Measure
 from kvledger_engine.reservation import ceil_div as ceil_div  # written once, beside R(r)
 
 # ---------------------------------------------------------------- measures

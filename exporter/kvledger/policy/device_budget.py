@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvledger.model.accounts import BudgetTerm, GpuAccount
-from kvledger.model.facts import (
+from kvledger.domain.accounts import BudgetTerm, GpuAccount
+from kvledger.domain.facts import (
     BUDGET_CATEGORIES,
     EngineFacts,
     GpuFacts,
     MemoryTerm,
     Snapshot,
 )
-from kvledger.model.measure import Measure
+from kvledger.domain.measure import Measure
 
 
 def kv_pool_terms(engine: EngineFacts) -> list[MemoryTerm]:

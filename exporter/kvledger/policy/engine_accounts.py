@@ -12,13 +12,13 @@ from itertools import repeat
 
 import numpy as np
 
-from kvledger.model.accounts import EngineAccount, GroupAccount, PoolAccount, TenantAccount
-from kvledger.model.facts import (
+from kvledger.domain.accounts import EngineAccount, GroupAccount, PoolAccount, TenantAccount
+from kvledger.domain.facts import (
     EngineFacts,
     PoolFacts,
 )
-from kvledger.model.measure import Measure
-from kvledger.model.request_table import RequestTable
+from kvledger.domain.measure import Measure
+from kvledger.domain.request_table import RequestTable
 from kvledger.policy.arithmetic import _add, ceil_div, ratio_of_capacity
 from kvledger.policy.invariants import (
     ENGINE_REPORTED_CHECK,

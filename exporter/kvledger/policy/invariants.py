@@ -7,12 +7,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvledger.model.accounts import Physical
-from kvledger.model.block_refs import BlockRefArray
-from kvledger.model.facts import (
+from kvledger.domain.accounts import Physical
+from kvledger.domain.block_refs import BlockRefArray
+from kvledger.domain.facts import (
     PoolFacts,
 )
-from kvledger.model.request_table import RequestTable
+from kvledger.domain.request_table import RequestTable
 
 # ---------------------------------------------------------------- invariants
 

@@ -6,13 +6,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvledger.model.accounts import Physical
-from kvledger.model.block_refs import BlockRefArray
-from kvledger.model.facts import (
+from kvledger.domain.accounts import Physical
+from kvledger.domain.block_refs import BlockRefArray
+from kvledger.domain.facts import (
     BlockRef,
     PoolFacts,
 )
-from kvledger.model.measure import Measure
+from kvledger.domain.measure import Measure
 
 # ---------------------------------------------------------------- physical state
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kvledger.model.facts import (
+from kvledger.domain.facts import (
     MAMBA,
     WINDOW_GROUP_KINDS,
     AdmissionEstimate,
@@ -18,8 +18,8 @@ from kvledger.model.facts import (
     PoolFacts,
     RequestFacts,
 )
-from kvledger.model.limits import MAX_RESERVATION
-from kvledger.model.request_table import RequestTable
+from kvledger.domain.limits import MAX_RESERVATION
+from kvledger.domain.request_table import RequestTable
 from kvledger_engine.reservation import ceil_div
 from kvledger_engine.reservation import reservation_blocks as engine_reservation_blocks
 from kvledger_engine.reservation import window_blocks as window_blocks

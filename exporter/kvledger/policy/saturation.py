@@ -23,8 +23,8 @@ is known to reach (exact, or a lower bound); one known only as an upper bound do
 
 from __future__ import annotations
 
-from kvledger.model.facts import Admission, Budgets
-from kvledger.model.measure import Measure
+from kvledger.domain.facts import Admission, Budgets
+from kvledger.domain.measure import Measure
 
 #: every constraint, in the order that breaks ties of the binding one
 CONSTRAINTS: tuple[str, ...] = ("kv_quota", "kv_physical", "sequences", "token_budget")

@@ -34,8 +34,8 @@ import numpy as np
 import orjson
 from msgspec.structs import astuple
 
-from kvledger.model.limits import MAX_REQUESTS
-from kvledger.model.request_table import INT_COLUMNS, RequestTable
+from kvledger.domain.limits import MAX_REQUESTS
+from kvledger.domain.request_table import INT_COLUMNS, RequestTable
 from kvledger.protocol.wire import FIELDS, INTEGER_FIELDS, REQUEST_FIELDS, Field
 
 #: ``blocks_held`` absent from a row (a decoded value is never negative): it defaults to

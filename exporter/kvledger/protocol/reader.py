@@ -16,7 +16,7 @@ take. Both give the same facts or the same error (tests/test_document_decoder.py
 Errors are ``ProtocolError`` whose message starts with the JSON path of the field:
 ``pools[0].num_blocks: expected integer, got "abc"``.
 
-Numeric ranges (``kvledger.model.limits``; the schema states each field's ``minimum`` and
+Numeric ranges (``kvledger.domain.limits``; the schema states each field's ``minimum`` and
 ``maximum``): every integer is an integer value (``2.0`` is accepted for an integer field,
 as JSON Schema's ``integer`` accepts it, by the checked reader; the typed one leaves it to
 that; ``2.5`` and ``1e308`` are not: the latter exceeds every maximum) within its field's
@@ -49,8 +49,8 @@ from typing import Any, NoReturn, TypeVar, cast
 import numpy as np
 import orjson
 
-from kvledger.model.block_refs import BlockRefArray
-from kvledger.model.facts import (
+from kvledger.domain.block_refs import BlockRefArray
+from kvledger.domain.facts import (
     ADMISSIONS,
     BUDGET_CATEGORIES,
     COUNTER_NAMES,
@@ -71,7 +71,7 @@ from kvledger.model.facts import (
     PoolFacts,
     TenantQuota,
 )
-from kvledger.model.limits import (
+from kvledger.domain.limits import (
     MAX_BLOCKS,
     MAX_GROUP_ID,
     MAX_KV_GROUPS,
@@ -81,7 +81,7 @@ from kvledger.model.limits import (
     MAX_SAFE_INT,
     MAX_TOKENS,
 )
-from kvledger.model.request_table import RequestTable
+from kvledger.domain.request_table import RequestTable
 from kvledger.protocol.fast_decoder import (
     TypedColumns,
     TypedRows,

@@ -7,7 +7,7 @@ Both readers of a body are built from ``REQUEST_FIELDS``: the typed decoder
 which check type, range and enumeration while they parse) and the checked reader
 (``reader``: field by field, naming the path of the first problem, e.g.
 ``requests[3].prompt_tokens: expected integer, got "abc"``). The ranges are
-``wire_terms.REQUEST_INT_RANGES`` (``model.limits`` re-exports them), the enumerations the
+``wire_terms.REQUEST_INT_RANGES`` (``domain.limits`` re-exports them), the enumerations the
 wire terms' own tuples. tests/test_protocol.py holds this definition to the published JSON
 Schema (``schema/kvledger-v1.json``), property by property, both ways. A new request field
 is one entry in the engine-side definition (tests/test_wire_once.py adds one).

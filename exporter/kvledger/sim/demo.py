@@ -32,7 +32,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvledger.config.engine_kinds import KINDS
-from kvledger.config.model import EngineConfig, HostConfig, LimitConfig, MemoryConfig, ProcessMatch, TenantConfig
+from kvledger.config.types import EngineConfig, HostConfig, LimitConfig, MemoryConfig, ProcessMatch, TenantConfig
 from kvledger.sim.engine import GiB, SimEngine, SimProfile
 from kvledger.sim.engine_frontends import FRONTENDS, Frontend
 from kvledger.sim.gpu import SimGpuSource

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvledger.collect.sources.base import GpuContribution, Source
-from kvledger.model.facts import GpuFacts, GpuProcess
+from kvledger.domain.facts import GpuFacts, GpuProcess
 from kvledger.sim.engine import SimEngine
 
 GiB = 2**30

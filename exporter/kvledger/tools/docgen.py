@@ -3,7 +3,7 @@
 - the metric reference (name, type, unit, labels, stability, meaning) and the label
   vocabulary from the catalogue (kvledger.output.catalog), and the source error reasons
   (kvledger.output.catalog.REASONS): docs/metrics.md;
-- the configuration reference from the typed model (kvledger.config.reference):
+- the configuration reference from the typed configuration (kvledger.config.reference):
   docs/configuration.md;
 - the table of engine kinds from their registrations (kvledger.config.engine_kinds):
   docs/engines/index.md (and any target that holds its markers; README.md is kept in the

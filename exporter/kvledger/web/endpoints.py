@@ -24,12 +24,12 @@ from urllib.parse import urlsplit
 from prometheus_client import CollectorRegistry
 
 from kvledger.collect.collector import Collector
-from kvledger.model.accounts import Accounts
+from kvledger.domain.accounts import Accounts
 from kvledger.output.json_view import accounts_to_json
 from kvledger.output.prometheus import OPENMETRICS, negotiate, render
 from kvledger.output.prometheus import TEXT as TEXT_FORMAT
 from kvledger.web.connection import Request, Response
-from kvledger.web.pages import accounts_header, json_response, lab_response, ledger_document, page, static_response
+from kvledger.web.pages import accounts_header, json_response, lab_response, ledger_page_data, page, static_response
 
 TEXT = "text/plain; charset=utf-8"
 #: the paths answered from the scrapers' own threads (never behind a page, a JSON view or a lab run)
@@ -197,7 +197,7 @@ class Endpoints:
 
             def ledger_view() -> Response:
                 messages = {(h.engine, h.source): m for h, m in self.collector.health()} if self.json_view else None
-                return json_response(ledger_document(accounts, self.json_view, messages), extra=accounts_header(accounts))
+                return json_response(ledger_page_data(accounts, self.json_view, messages), extra=accounts_header(accounts))
 
             return self.views.get(accounts, f"{path} json_view={self.json_view}", ledger_view)
         if path == "/lab":

@@ -29,7 +29,7 @@ from concurrent.futures.process import BrokenProcessPool
 from urllib.parse import urlsplit
 
 from kvledger.web.connection import Response
-from kvledger.web.pages import JSON, TEXT, LabRequestError, json_response, lab_document, lab_params
+from kvledger.web.pages import JSON, TEXT, LabRequestError, json_response, lab_page_data, lab_params
 
 log = logging.getLogger("kvledger.web.server")
 
@@ -48,7 +48,7 @@ def _worker_init() -> None:
 
 def lab_body(capacity: int, working_set: int, requests: int) -> bytes:
     """The /lab/run.json body of one run (in the worker process)."""
-    doc = lab_document(f"capacity={capacity}&working_set={working_set}&requests={requests}")
+    doc = lab_page_data(f"capacity={capacity}&working_set={working_set}&requests={requests}")
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from kvledger import __version__
-from kvledger.model.accounts import Accounts
+from kvledger.domain.accounts import Accounts
 from kvledger.output.catalog import BY_NAME
 from kvledger.tools.lab import MAX_REQUESTS, run_lab
 from kvledger.web.connection import Request, Response, ascii_int
@@ -194,7 +194,7 @@ def _groups(accounts: Accounts) -> dict[Labels, list[dict[str, Any]]]:
     return out
 
 
-def ledger_document(accounts: Accounts | None, json_view: bool,
+def ledger_page_data(accounts: Accounts | None, json_view: bool,
                     messages: Mapping[tuple[str, str], str | None] | None = None) -> dict[str, Any]:
     """What the ledger page draws, from one Accounts: per engine its policy, source health,
     requests and, per pool, capacity split into in use / reclaimable / free, the reservation
@@ -280,7 +280,7 @@ def lab_params(query_string: str) -> tuple[int, int, int]:
     return capacity, working_set, _int_param(query, "requests", 1, MAX_REQUESTS, MAX_REQUESTS)
 
 
-def lab_document(query_string: str) -> dict[str, Any]:
+def lab_page_data(query_string: str) -> dict[str, Any]:
     """``capacity=C&working_set=S[&requests=N]`` → the run of ``run_lab(C, S, N)`` (N defaults
     to the cap), columnar: per step the identifier requested, hit or miss, the identifier
     evicted (null when none) and the running totals of hits, misses and evictions after it."""
@@ -315,7 +315,7 @@ def lab_document(query_string: str) -> dict[str, Any]:
 
 def lab_response(target: str) -> Response:
     try:
-        return json_response(lab_document(urlsplit(target).query))
+        return json_response(lab_page_data(urlsplit(target).query))
     except LabRequestError as exc:
         return json_response({"error": str(exc)}, status=400)
 

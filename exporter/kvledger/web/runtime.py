@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvledger.config.model import ConfigError
+from kvledger.config.types import ConfigError
 from kvledger.web.basic_auth import BasicAuth
 from kvledger.web.tls import server_context
 from kvledger.web.web_config import WebConfig, load_web_config

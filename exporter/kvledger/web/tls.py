@@ -8,7 +8,7 @@ import ssl
 from typing import Any
 
 from kvledger.config.files import regular_path
-from kvledger.config.model import ConfigError
+from kvledger.config.types import ConfigError
 from kvledger.web.web_config import CLIENT_AUTH_TYPES, TLS_VERSIONS, TlsServerConfig
 
 log = logging.getLogger("kvledger.web.server")

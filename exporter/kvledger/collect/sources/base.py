@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvledger.model.facts import EngineFacts, GpuFacts, Snapshot
+from kvledger.domain.facts import EngineFacts, GpuFacts, Snapshot
 
 
 class SourceError(Exception):

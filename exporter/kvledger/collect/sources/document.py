@@ -28,10 +28,10 @@ from email.utils import parsedate_to_datetime
 from kvledger.collect.memory import release_freed_memory
 from kvledger.collect.sources.base import EngineContribution, Source, SourceError
 from kvledger.collect.sources.http_client import LARGE_BODY, Answer, HttpClient
-from kvledger.config.model import EngineConfig
-from kvledger.model.facts import EngineFacts
-from kvledger.model.limits import MAX_DOCUMENT_AGE
-from kvledger.model.request_table import RequestTable
+from kvledger.config.types import EngineConfig
+from kvledger.domain.facts import EngineFacts
+from kvledger.domain.limits import MAX_DOCUMENT_AGE
+from kvledger.domain.request_table import RequestTable
 from kvledger.protocol.reader import COLUMNS_MEDIA_TYPE, NotJsonError, ProtocolError, facts_from_json
 
 #: what a ledger GET accepts: the columnar form first, the row form (plain v1) as well
@@ -85,7 +85,7 @@ def document_age(published_at: float, date: str | None, now: float) -> float:
     return max(0.0, reference - published_at)
 
 
-class DocumentReader:
+class FactsReader:
     """One kvledger/v1 address read as cheaply as its server allows: a 304 or an unchanged
     body gives the facts of the previous read without parsing (``read`` returns the same
     object, so callers can tell nothing changed)."""
@@ -152,7 +152,7 @@ class LedgerSource(Source):
             cfg.url, timeout=cfg.timeout_seconds, max_bytes=cfg.max_response_bytes, accept="application/json",
             auth=cfg.client_auth,
         )
-        self.reader = DocumentReader(self._http, cfg.name)
+        self.reader = FactsReader(self._http, cfg.name)
         self._last: tuple[EngineFacts, EngineContribution] | None = None
         self.url = self._http.where  # without credentials: safe in messages
 

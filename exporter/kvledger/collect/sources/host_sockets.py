@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvledger.collect.sources.base import EnginePatch, Source, SourceError
-from kvledger.model.facts import EngineFacts
+from kvledger.domain.facts import EngineFacts
 
 TCP_LISTEN = 0x0A
 

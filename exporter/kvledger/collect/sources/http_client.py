@@ -59,8 +59,8 @@ from kvledger.collect.memory import release_freed_memory
 from kvledger.collect.sources.base import SourceError
 from kvledger.config.engine_tls import client_ssl_context
 from kvledger.config.files import MAX_SECRET_FILE_BYTES, read_secret_file  # noqa: F401  # re-exported here
-from kvledger.config.model import ClientAuth, TlsClientConfig
-from kvledger.model.limits import MAX_TEXT_LINES
+from kvledger.config.types import ClientAuth, TlsClientConfig
+from kvledger.domain.limits import MAX_TEXT_LINES
 
 #: default cap on a response body (engines' documents and /metrics texts); per engine
 #: ``max_response_bytes`` in the configuration overrides it

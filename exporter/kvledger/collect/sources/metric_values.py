@@ -1,7 +1,7 @@
 """Validated reads of sample values from an engine's Prometheus exposition, shared by the
 adapters that read one (SGLang, TensorRT-LLM, Triton, TGI).
 
-Every value an adapter uses passes one of these checks (the ranges of ``kvledger.model.limits``);
+Every value an adapter uses passes one of these checks (the ranges of ``kvledger.domain.limits``);
 a value that fails raises ``SourceError("parse")`` naming the series with its labels, its
 value and what is wrong, so a poisoned exposition fails its own source alone with a
 message an operator can act on. Impossible-but-well-formed readings (a count above
@@ -16,9 +16,9 @@ import math
 from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.model_config import load_model_config
 from kvledger.collect.sources.prom_text import Sample
-from kvledger.config.model import EngineConfig
-from kvledger.model.block_bytes import ModelConfigError, kv_shape
-from kvledger.model.limits import MAX_SAFE_INT
+from kvledger.config.types import EngineConfig
+from kvledger.domain.block_bytes import ModelConfigError, kv_shape
+from kvledger.domain.limits import MAX_SAFE_INT
 
 #: longest series text quoted in a message
 _SERIES = 160

@@ -16,8 +16,8 @@ from typing import Any
 
 from kvledger.collect.sources.base import SourceError
 from kvledger.config.files import read_regular
-from kvledger.config.model import EngineConfig
-from kvledger.model.block_bytes import ModelConfigError
+from kvledger.config.types import EngineConfig
+from kvledger.domain.block_bytes import ModelConfigError
 
 
 def load_model_config(path: str | Path) -> dict[str, Any]:

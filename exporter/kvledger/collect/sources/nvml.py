@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import pynvml
 
 from kvledger.collect.sources.base import GpuContribution, Source, SourceError
-from kvledger.model.facts import GpuFacts, GpuProcess
+from kvledger.domain.facts import GpuFacts, GpuProcess
 
 log = logging.getLogger(__name__)
 

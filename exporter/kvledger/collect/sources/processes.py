@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from kvledger.collect.sources.base import EnginePatch, Source, SourceError
-from kvledger.config.model import ProcessMatch
+from kvledger.config.types import ProcessMatch
 
 
 def _read_process(entry: Path) -> tuple[str, int] | None:

@@ -17,8 +17,8 @@ from kvledger.collect.sources.triton_trtllm.source import TritonTrtllmSource
 from kvledger.collect.sources.trtllm.source import TrtllmSource
 from kvledger.collect.sources.vllm.source import VllmSource
 from kvledger.config.engine_kinds import KINDS
-from kvledger.config.model import Config, ConfigError, EngineConfig
-from kvledger.model.facts import EngineFacts
+from kvledger.config.types import Config, ConfigError, EngineConfig
+from kvledger.domain.facts import EngineFacts
 
 #: engine kind -> its Source class, constructed with the engine's EngineConfig; every kind
 #: of ``KINDS`` has one (tests/test_engine_kind_in_one_folder.py holds the two together)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.collect.sources.model_config import load_model_config
-from kvledger.model.block_bytes import ModelConfigError, kv_shape
+from kvledger.domain.block_bytes import ModelConfigError, kv_shape
 from kvledger.tools.plan.layers import layer_pools
 from kvledger.tools.plan.report import GIB, GroupReport, PlanError, PoolReport, Report, Term, budget_verdict, terms_basis
 from kvledger.tools.plan.sizing import (

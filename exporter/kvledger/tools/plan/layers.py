@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvledger.model.block_bytes import ModelConfigError, config_int, dtype_bytes, kv_shape
+from kvledger.domain.block_bytes import ModelConfigError, config_int, dtype_bytes, kv_shape
 
 #: the layer types a config may name (``layer_types``): attention over every token, over a
 #: sliding window, or linear attention (Gated DeltaNet: a fixed-size recurrent state per

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvledger.model.facts import TERM_SOURCES
+from kvledger.domain.facts import TERM_SOURCES
 from kvledger.tools.plan.sizing import PLAN_TERM_ORDER, breaking_term
 
 GIB = 1 << 30

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvledger.model.block_bytes import DTYPE_BYTES, ModelConfigError, config_int
+from kvledger.domain.block_bytes import DTYPE_BYTES, ModelConfigError, config_int
 from kvledger.tools.plan.layers import LINEAR_ATTENTION, LINEAR_INTERVAL_MODELS, text_config
 
 

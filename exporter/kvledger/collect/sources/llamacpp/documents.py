@@ -17,7 +17,7 @@ Fields read (tools/server/server-context.cpp, ``server_slot::to_json``):
 and, in current builds, ``is_sleeping`` (``--sleep-idle-seconds``: the model is unloaded).
 
 Every value read is checked: integers are JSON integers in the ranges of
-``kvledger.model.limits``; a wrong type, a value out of range, a duplicate slot id or a body
+``kvledger.domain.limits``; a wrong type, a value out of range, a duplicate slot id or a body
 that is not JSON raises ``SourceError`` naming the endpoint and the field (reasons:
 ``parse`` for what is not JSON, ``schema`` for JSON of the wrong shape). Unknown fields
 are ignored. Messages never quote the body, only the type or number found.
@@ -32,7 +32,7 @@ from typing import Any
 import orjson
 
 from kvledger.collect.sources.base import SourceError
-from kvledger.model.limits import MAX_TOKENS
+from kvledger.domain.limits import MAX_TOKENS
 
 #: more slots than this is not a llama.cpp server (its -np is an int32, but every slot
 #: holds a context: 65,536 slots of one token each would already be absurd)

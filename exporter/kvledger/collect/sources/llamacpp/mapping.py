@@ -41,10 +41,10 @@ from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.llamacpp.documents import Props, Slot
 from kvledger.collect.sources.llamacpp.metrics import ServerMetrics
 from kvledger.collect.sources.model_config import load_model_config
-from kvledger.config.model import EngineConfig
-from kvledger.model.block_bytes import ModelConfigError, kv_shape
-from kvledger.model.facts import EngineFacts, PoolFacts, RequestCounts
-from kvledger.model.limits import MAX_BLOCKS, MAX_SAFE_INT
+from kvledger.config.types import EngineConfig
+from kvledger.domain.block_bytes import ModelConfigError, kv_shape
+from kvledger.domain.facts import EngineFacts, PoolFacts, RequestCounts
+from kvledger.domain.limits import MAX_BLOCKS, MAX_SAFE_INT
 
 POOL = "0"
 TOKENS_CHECK = "slot_tokens_le_n_ctx"

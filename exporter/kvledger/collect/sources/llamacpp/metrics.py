@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.prom_text import Exposition, parse_exposition
-from kvledger.model.limits import MAX_SAFE_INT
+from kvledger.domain.limits import MAX_SAFE_INT
 
 PREFIX = "llamacpp:"
 PROMPT_TOKENS = PREFIX + "prompt_tokens_total"

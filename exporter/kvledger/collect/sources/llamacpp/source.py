@@ -31,7 +31,7 @@ from kvledger.collect.sources.llamacpp.documents import Slot, parse_props, parse
 from kvledger.collect.sources.llamacpp.mapping import llamacpp_facts
 from kvledger.collect.sources.llamacpp.metrics import ServerMetrics, idle_key, parse_metrics
 from kvledger.collect.sources.model_config import ModelConfig
-from kvledger.config.model import EngineConfig
+from kvledger.config.types import EngineConfig
 
 log = logging.getLogger(__name__)
 

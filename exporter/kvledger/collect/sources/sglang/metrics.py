@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.metric_values import configured_block_bytes, count, number, ratio, series_text, small_int_label
 from kvledger.collect.sources.prom_text import Exposition, Sample, parse_exposition
-from kvledger.config.model import EngineConfig
-from kvledger.model.facts import EngineFacts, PoolFacts, RequestCounts
-from kvledger.model.limits import MAX_BLOCKS, MAX_SAFE_INT, MAX_TOKENS
+from kvledger.config.types import EngineConfig
+from kvledger.domain.facts import EngineFacts, PoolFacts, RequestCounts
+from kvledger.domain.limits import MAX_BLOCKS, MAX_SAFE_INT, MAX_TOKENS
 
 P = "sglang:"
 CAPACITY = P + "max_total_num_tokens"

@@ -19,7 +19,7 @@ settings /metrics does not always carry:
 
 With ``ledger:`` (the kvledger SGLang plugin's address, ``KVLEDGER_SGLANG_LEDGER``;
 ``{dp_rank}`` per data-parallel rank) the plugin's kvledger/v1 documents give the pools and
-the requests exactly (``merge_sglang_ledger``): every admitted request's prompt, cap, output
+the requests exactly (``merge_scheduler_facts``): every admitted request's prompt, cap, output
 so far and pages held, so the reservation is exact; the pages in use, evictable (the radix
 cache's unlocked pages: reclaimable) and free as the scheduler holds them at its last
 publication (no decode-log lag); retractions and the tokens they threw away; SGLang's own
@@ -38,14 +38,14 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from kvledger.collect.sources.base import EngineContribution, Source, SourceError, SubsourceReport
-from kvledger.collect.sources.document import DocumentReader
+from kvledger.collect.sources.document import FactsReader
 from kvledger.collect.sources.http_client import HttpClient
 from kvledger.collect.sources.prom_text import parse_exposition
 from kvledger.collect.sources.sglang.metrics import PAGE_SIZE, sglang_facts
-from kvledger.config.model import EngineConfig
-from kvledger.model.facts import Budgets, EngineFacts
-from kvledger.model.limits import MAX_TOKENS
-from kvledger.model.request_table import RequestTable
+from kvledger.config.types import EngineConfig
+from kvledger.domain.facts import Budgets, EngineFacts
+from kvledger.domain.limits import MAX_TOKENS
+from kvledger.domain.request_table import RequestTable
 
 DP_PLACEHOLDER = "{dp_rank}"
 
@@ -91,14 +91,14 @@ def server_info_beside(metrics_url: str) -> str | None:
     return urlunsplit((parts.scheme, parts.netloc, "/server_info", "", ""))
 
 
-def merge_sglang_ledger(metrics: EngineFacts | None, ledgers: dict[str, EngineFacts], name: str) -> EngineFacts:
+def merge_scheduler_facts(metrics: EngineFacts | None, rank_facts: dict[str, EngineFacts], name: str) -> EngineFacts:
     """``metrics`` (None when /metrics gave nothing) with every pool, request and budget
-    taken from ``ledgers`` (by data-parallel rank = pool id) and the retractions they
+    taken from ``rank_facts`` (by data-parallel rank = pool id) and the retractions they
     counted; SourceError ``schema`` when a document is not one pool of its rank's id."""
     base = metrics if metrics is not None else EngineFacts(name=name, kind="sglang", source="sglang")
     seen = {p.id: p for p in base.pools}
     pools = []
-    for rank, doc in ledgers.items():
+    for rank, doc in rank_facts.items():
         if len(doc.pools) != 1 or doc.pools[0].id != rank:
             names = ", ".join(repr(p.id) for p in doc.pools) or "none"
             raise SourceError("schema", f"ledger of rank {rank}: expected one pool with id {rank!r}, found {names}")
@@ -109,10 +109,10 @@ def merge_sglang_ledger(metrics: EngineFacts | None, ledgers: dict[str, EngineFa
         pools.append(dataclasses.replace(
             exact, engine_reported_used_blocks=None if claim is None else claim.engine_reported_used_blocks))
     counters = dict(base.counters)
-    retracted = [d.counters.get("preemptions") for d in ledgers.values()]
+    retracted = [d.counters.get("preemptions") for d in rank_facts.values()]
     if None not in retracted:
         counters["preemptions"] = sum(v for v in retracted if v is not None)
-    budgets = [d.budgets for d in ledgers.values()]
+    budgets = [d.budgets for d in rank_facts.values()]
     lens = [b.max_model_len for b in budgets if b.max_model_len is not None]
 
     def total(field: str) -> int | None:
@@ -121,10 +121,10 @@ def merge_sglang_ledger(metrics: EngineFacts | None, ledgers: dict[str, EngineFa
 
     return dataclasses.replace(
         base,
-        version=next(iter(ledgers.values())).version or base.version,
-        published_at=min((d.published_at for d in ledgers.values() if d.published_at is not None), default=None),
+        version=next(iter(rank_facts.values())).version or base.version,
+        published_at=min((d.published_at for d in rank_facts.values() if d.published_at is not None), default=None),
         pools=pools,
-        requests=RequestTable.concat([RequestTable.from_requests(d.requests or []) for d in ledgers.values()]),
+        requests=RequestTable.concat([RequestTable.from_requests(d.requests or []) for d in rank_facts.values()]),
         request_counts=None,
         counters=counters,
         budgets=Budgets(max_num_batched_tokens=total("max_num_batched_tokens"), iteration_tokens=total("iteration_tokens"),
@@ -152,7 +152,7 @@ class SglangSource(Source):
         self._ledger_address = cfg.option("ledger")
         self._part = cfg.timeout_seconds / 2 if self._ledger_address else cfg.timeout_seconds
         self._http.timeout = self._part
-        self._ledgers: dict[str, DocumentReader] = {}
+        self._ledgers: dict[str, FactsReader] = {}
         self._ledger_error: str | None = "not read yet" if self._ledger_address else None
         self._metrics_error: str | None = "not read yet" if self._ledger_address else None
         self._ranks: tuple[str, ...] = ("0",)
@@ -190,7 +190,7 @@ class SglangSource(Source):
         except SourceError as exc:
             failure, self._metrics_error = exc, f"{exc.reason}: {exc.message}"
         try:
-            facts = merge_sglang_ledger(metrics, self._read_ledgers(), self.cfg.name)
+            facts = merge_scheduler_facts(metrics, self._read_rank_facts(), self.cfg.name)
         except SourceError as exc:
             self._ledger_error = f"{exc.reason}: {exc.message}"
             if metrics is None:
@@ -200,7 +200,7 @@ class SglangSource(Source):
         self._ledger_error = None
         return EngineContribution(facts)
 
-    def _read_ledgers(self) -> dict[str, EngineFacts]:
+    def _read_rank_facts(self) -> dict[str, EngineFacts]:
         address = self._ledger_address
         assert address
         ranks = self._ranks if DP_PLACEHOLDER in address else ("0",)
@@ -214,7 +214,7 @@ class SglangSource(Source):
                 client = HttpClient(address.replace(DP_PLACEHOLDER, rank), timeout=self._part,
                                     max_bytes=self.cfg.max_response_bytes, accept="application/json",
                                     auth=self.cfg.client_auth)
-                reader = self._ledgers[rank] = DocumentReader(client, self.cfg.name)
+                reader = self._ledgers[rank] = FactsReader(client, self.cfg.name)
             facts = reader.read()
             if DP_PLACEHOLDER not in address and len(facts.pools) == 1:
                 rank = facts.pools[0].id  # the one pool the address serves, whatever its rank

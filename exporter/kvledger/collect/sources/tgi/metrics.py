@@ -24,9 +24,9 @@ from __future__ import annotations
 from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.metric_values import configured_block_bytes, count, series_text
 from kvledger.collect.sources.prom_text import Exposition, Sample, parse_exposition
-from kvledger.config.model import EngineConfig
-from kvledger.model.facts import EngineFacts, PoolFacts, RequestCounts
-from kvledger.model.limits import MAX_BLOCKS, MAX_SAFE_INT, MAX_TOKENS
+from kvledger.config.types import EngineConfig
+from kvledger.domain.facts import EngineFacts, PoolFacts, RequestCounts
+from kvledger.domain.limits import MAX_BLOCKS, MAX_SAFE_INT, MAX_TOKENS
 
 CAPACITY = "tgi_batch_max_total_tokens"
 RESERVED = "tgi_batch_current_max_tokens"

@@ -9,7 +9,7 @@ from kvledger.collect.sources.base import EngineContribution, Source
 from kvledger.collect.sources.http_client import HttpClient
 from kvledger.collect.sources.prom_text import parse_exposition
 from kvledger.collect.sources.tgi.metrics import tgi_facts
-from kvledger.config.model import EngineConfig
+from kvledger.config.types import EngineConfig
 
 
 class TgiSource(Source):

@@ -9,7 +9,7 @@ from kvledger.collect.sources.base import EngineContribution, Source, SourceErro
 from kvledger.collect.sources.http_client import HttpClient, redact_url
 from kvledger.collect.sources.prom_text import parse_exposition
 from kvledger.collect.sources.trtllm.metrics import trtllm_facts
-from kvledger.config.model import EngineConfig
+from kvledger.config.types import EngineConfig
 
 
 class TrtllmSource(Source):

@@ -2,7 +2,7 @@
 
 vLLM's EngineCore, with kvledger's integration enabled (docs/engines/vllm.md), serves one
 kvledger/v1 document per data-parallel rank at the address its ``KVLEDGER_VLLM_LEDGER``
-names; ``{dp_rank}`` in the address stands for the rank. ``LedgerReader.read(ranks, probe)``
+names; ``{dp_rank}`` in the address stands for the rank. ``RankFactsReader.read(ranks, probe)``
 fetches every rank's document in one read bounded by one deadline in all (each GET gets
 what is left of it) and the engine's body limit; the source runs it beside its /metrics
 GET, on its own deadline, so a slow or failing /metrics never hides the ledger.
@@ -14,7 +14,7 @@ answer, the reader also probes upward from the ranks it must read: rank k is rea
 something listens at its address, and the first address with nothing listening ends the
 ranks. A rank that answered once and no longer does is a failure, never a smaller engine.
 
-``merge_ledger`` puts the documents in place of the bounds /metrics gives:
+``merge_rank_facts`` puts the documents in place of the bounds /metrics gives:
 
 - each pool becomes the ledger's (exact in use, reclaimable, free, references, shared;
   exact block bytes), keeping what only /metrics and KV events say about it (vLLM's own
@@ -40,13 +40,13 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from kvledger.collect.sources.base import SourceError
-from kvledger.collect.sources.document import DocumentReader
+from kvledger.collect.sources.document import FactsReader
 from kvledger.collect.sources.http_client import HttpClient
 from kvledger.collect.sources.prom_text import Exposition
 from kvledger.collect.sources.vllm.metrics import CACHE_CONFIG, MAX_DP_RANK, PID_LABEL, RANK_LABEL
-from kvledger.config.model import EngineConfig
-from kvledger.model.facts import Budgets, EngineFacts, PoolFacts
-from kvledger.model.request_table import RequestTable
+from kvledger.config.types import EngineConfig
+from kvledger.domain.facts import Budgets, EngineFacts, PoolFacts
+from kvledger.domain.request_table import RequestTable
 
 DP_PLACEHOLDER = "{dp_rank}"
 
@@ -126,13 +126,13 @@ def _listening(url: str, timeout: float) -> bool:
         return False
 
 
-class LedgerReader:
+class RankFactsReader:
     def __init__(self, address: str, cfg: EngineConfig, timeout: float | None = None) -> None:
         self.address = address
         self.cfg = cfg
         self.timeout = cfg.timeout_seconds if timeout is None else timeout  # for all ranks together
         self.per_rank = DP_PLACEHOLDER in address
-        self._readers: dict[str, DocumentReader] = {}
+        self._readers: dict[str, FactsReader] = {}
         self._probed = 0  # ranks found by probing: a later probe must find at least as many
 
     def document_age(self) -> float | None:
@@ -196,7 +196,7 @@ class LedgerReader:
                 self.url(rank), timeout=self.timeout, max_bytes=self.cfg.max_response_bytes,
                 accept="application/json", auth=self.cfg.client_auth,
             )  # fmt: skip
-            reader = self._readers[rank] = DocumentReader(client, self.cfg.name)
+            reader = self._readers[rank] = FactsReader(client, self.cfg.name)
         # one deadline for all ranks: a slow rank cannot stretch the read to ranks x timeout
         reader.client.timeout = max(0.001, min(self.timeout, round(left, 3)))
         return reader.read()  # the columnar form and conditional reads when the rank serves them
@@ -206,24 +206,24 @@ class LedgerReader:
             reader.client.abort()
 
 
-def merge_ledger(metrics: EngineFacts, ledgers: dict[str, EngineFacts], shape: CacheShape | None = None) -> EngineFacts:
+def merge_rank_facts(metrics: EngineFacts, rank_facts: dict[str, EngineFacts], shape: CacheShape | None = None) -> EngineFacts:
     """``metrics`` (the /metrics facts, or an engine's bare facts when /metrics gave none)
-    with every pool and request taken from ``ledgers`` (by data-parallel rank = pool id).
+    with every pool and request taken from ``rank_facts`` (by data-parallel rank = pool id).
     ``shape``: what /metrics' ``cache_config_info`` says (by default what its pools imply);
-    the ledgers must cover exactly its ranks and agree with it. SourceError ``schema`` when
+    the ranks' facts must cover exactly its ranks and agree with it. SourceError ``schema`` when
     they disagree."""
     if shape is None and metrics.pools:
         shape = CacheShape.of_pools(metrics.pools)
-    ranks = list(shape.ranks) if shape is not None else sorted(ledgers, key=lambda r: (len(r), r))
+    ranks = list(shape.ranks) if shape is not None else sorted(rank_facts, key=lambda r: (len(r), r))
     for rank in ranks:
-        if rank not in ledgers:
+        if rank not in rank_facts:
             raise SourceError("schema", f"ledger: no document for data-parallel rank {rank}")
-    extra = sorted(set(ledgers) - set(ranks))
+    extra = sorted(set(rank_facts) - set(ranks))
     if extra:
         raise SourceError("schema", f"ledger: a document for data-parallel rank {extra[0]}, which /metrics does not name")
     exact_pools: list[PoolFacts] = []
     for rank in ranks:
-        doc = ledgers[rank]
+        doc = rank_facts[rank]
         found = [p for p in doc.pools if p.id == rank]
         if len(found) != 1 or len(doc.pools) != 1:
             names = ", ".join(repr(p.id) for p in doc.pools) or "none"
@@ -246,9 +246,9 @@ def merge_ledger(metrics: EngineFacts, ledgers: dict[str, EngineFacts], shape: C
     return dataclasses.replace(
         metrics,
         pools=pools,
-        requests=RequestTable.concat([RequestTable.from_requests(ledgers[r].requests or []) for r in ranks]),
+        requests=RequestTable.concat([RequestTable.from_requests(rank_facts[r].requests or []) for r in ranks]),
         request_counts=None,
-        budgets=_budgets([ledgers[r].budgets for r in ranks], metrics.budgets),
+        budgets=_budgets([rank_facts[r].budgets for r in ranks], metrics.budgets),
     )
 
 

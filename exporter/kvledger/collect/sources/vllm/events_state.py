@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 
 from kvledger.collect.sources.vllm.events_wire import GPU_MEDIA, KNOWN_TYPES, EventBatch, EventDecodeError, decode_batch
-from kvledger.model.limits import MAX_KV_GROUPS
+from kvledger.domain.limits import MAX_KV_GROUPS
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ scheduler stats; the others keep their initial zeros. Per rank, the live process
 every choice gives the same numbers) go to the numerically lowest pid. Counters are
 summed over all their series.
 
-Every value read is validated (``kvledger.model.limits``): ``cache_config_info`` labels must be
+Every value read is validated (``kvledger.domain.limits``): ``cache_config_info`` labels must be
 integers in range (``block_size`` 1..2**30, ``num_gpu_blocks`` at most 2**32 per rank,
 ``kv_cache_memory_bytes`` at most 2**53 - 1, capacity bytes and tokens at most 2**53 - 1),
 gauges and counters finite, request counts whole and counters non-negative; anything else
@@ -30,7 +30,7 @@ pool's ``in_use`` and the engine's claim are left unknown and the check
 In-use blocks are derived from a ratio: ``usage x usable blocks``. vLLM computes the usage
 as ``1 - free / usable`` and prints every digit, so the product is a whole number up to
 float rounding; it is taken as the exact in-use count only when it lies within
-``RATIO_TOLERANCE x usable`` of one (``kvledger.model.limits``: 2**-40 of the blocks,
+``RATIO_TOLERANCE x usable`` of one (``kvledger.domain.limits``: 2**-40 of the blocks,
 far above the rounding and far below any real fraction of a block). A reading that is no
 whole number of blocks (0.5 of 2,047 usable blocks is 1,023.5) is not what vLLM's
 arithmetic produces: the engine's claim is violated, the check ``kv_cache_usage_whole_blocks``
@@ -47,10 +47,10 @@ from typing import Any
 from kvledger.collect.sources.base import SourceError
 from kvledger.collect.sources.model_config import load_model_config
 from kvledger.collect.sources.prom_text import Exposition, Sample, finite, parse_exposition, samples
-from kvledger.config.model import EngineConfig
-from kvledger.model.block_bytes import ModelConfigError, ModelKvShape, kv_shape
-from kvledger.model.facts import EngineFacts, PoolFacts, RequestCounts
-from kvledger.model.limits import MAX_BLOCKS, MAX_SAFE_INT, MAX_TOKENS, RATIO_TOLERANCE
+from kvledger.config.types import EngineConfig
+from kvledger.domain.block_bytes import ModelConfigError, ModelKvShape, kv_shape
+from kvledger.domain.facts import EngineFacts, PoolFacts, RequestCounts
+from kvledger.domain.limits import MAX_BLOCKS, MAX_SAFE_INT, MAX_TOKENS, RATIO_TOLERANCE
 
 USAGE_CHECK = "kv_cache_usage_in_range"
 WHOLE_BLOCKS_CHECK = "kv_cache_usage_whole_blocks"

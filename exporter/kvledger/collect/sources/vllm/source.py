@@ -34,12 +34,12 @@ from kvledger.collect.sources.base import EngineContribution, Source, SourceErro
 from kvledger.collect.sources.http_client import HttpClient
 from kvledger.collect.sources.model_config import ModelConfig
 from kvledger.collect.sources.prom_text import parse_exposition
-from kvledger.collect.sources.vllm.engine_documents import CacheShape, LedgerReader, merge_ledger
+from kvledger.collect.sources.vllm.engine_documents import CacheShape, RankFactsReader, merge_rank_facts
 from kvledger.collect.sources.vllm.events_subscriber import KvEventSubscriber
 from kvledger.collect.sources.vllm.metrics import vllm_facts_from_metrics
 from kvledger.collect.sources.vllm.startup_log import VllmLogReader, memory_terms
-from kvledger.config.model import EngineConfig
-from kvledger.model.facts import FULL_ATTENTION, MAMBA, SLIDING_WINDOW, EngineFacts, KvGroupFacts, PoolFacts
+from kvledger.config.types import EngineConfig
+from kvledger.domain.facts import FULL_ATTENTION, MAMBA, SLIDING_WINDOW, EngineFacts, KvGroupFacts, PoolFacts
 
 #: with a ledger, /metrics and the ledger each get the engine's timeout less this (at most
 #: half of it): the collector's deadline for the whole poll is that timeout, and merging the
@@ -90,7 +90,7 @@ class VllmSource(Source):
         self._log = VllmLogReader(log_file) if log_file else None
         self._log_error: str | None = "not read yet" if log_file else None
         self._started_at: float | None = None  # the engine's process_start_time_seconds
-        self._ledger = LedgerReader(ledger, cfg, self._part_timeout) if ledger else None
+        self._ledger = RankFactsReader(ledger, cfg, self._part_timeout) if ledger else None
         self._ledger_error: str | None = "not read yet" if ledger else None
         self._metrics_error: str | None = "not read yet" if ledger else None
         # the ledger's ranks: cache_config_info's of the last /metrics that had it, and whether
@@ -112,7 +112,7 @@ class VllmSource(Source):
         facts = self._merge_log(facts)
         return EngineContribution(facts)
 
-    def _poll_with_ledger(self, ledger: LedgerReader) -> EngineFacts:
+    def _poll_with_ledger(self, ledger: RankFactsReader) -> EngineFacts:
         """/metrics here and the ledger in its thread, side by side; the ledger's pools when
         it answered for every rank, else the /metrics bounds; SourceError (the /metrics one)
         when neither gave facts."""
@@ -136,11 +136,11 @@ class VllmSource(Source):
             self._ranks_current = False
         facts: EngineFacts | None = None
         try:
-            ledgers = self._finish_ledger_read(read, began)
+            rank_facts = self._finish_ledger_read(read, began)
             if shape is not None:
                 ledger.check_ranks(shape.ranks)
             base = metrics if metrics is not None else EngineFacts(name=self.cfg.name, kind="vllm", source="vllm")
-            facts = merge_ledger(base, ledgers, shape)
+            facts = merge_rank_facts(base, rank_facts, shape)
         except SourceError as exc:
             self._ledger_error = f"{exc.reason}: {exc.message}"
         else:
@@ -152,7 +152,7 @@ class VllmSource(Source):
             raise metrics_error
         return metrics  # the /metrics bounds, for every pool
 
-    def _start_ledger_read(self, ledger: LedgerReader) -> Future[dict[str, EngineFacts]] | None:
+    def _start_ledger_read(self, ledger: RankFactsReader) -> Future[dict[str, EngineFacts]] | None:
         """This poll's read, begun now; None while an earlier poll's read still runs (its
         answer would be older than this poll: it is never used, and this poll has none)."""
         earlier = self._ledger_read

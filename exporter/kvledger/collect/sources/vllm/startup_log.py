@@ -26,8 +26,8 @@ import re
 from dataclasses import dataclass, fields
 
 from kvledger.config.files import open_regular
-from kvledger.model.facts import MemoryTerm
-from kvledger.model.limits import MAX_SAFE_INT
+from kvledger.domain.facts import MemoryTerm
+from kvledger.domain.limits import MAX_SAFE_INT
 
 GIB = 1 << 30
 _INT_FIELDS = ("kv_cache_tokens", "concurrency_tokens")

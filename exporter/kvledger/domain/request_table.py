@@ -18,7 +18,7 @@ from typing import Any, overload
 
 import numpy as np
 
-from kvledger.model.facts import RequestFacts
+from kvledger.domain.facts import RequestFacts
 
 #: the numeric columns, in RequestFacts' order, with their defaults
 INT_COLUMNS: tuple[tuple[str, int], ...] = (

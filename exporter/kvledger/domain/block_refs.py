@@ -15,7 +15,7 @@ from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from typing import overload
 
-from kvledger.model.facts import BlockRef
+from kvledger.domain.facts import BlockRef
 
 
 class BlockRefArray(Sequence[BlockRef]):

@@ -88,7 +88,7 @@ def _dumps(value: object) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
-class LedgerDocument:
+class PublishedLedger:
     """The kvledger/v1 document of one engine core (one data-parallel rank)."""
 
     def __init__(self, engine: dict[str, Any], pool: PoolStatic, integration: dict[str, Any]) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvledger.model.facts import (
+from kvledger.domain.facts import (
     Admission,
     LimitKind,
     NvmlEnabled,

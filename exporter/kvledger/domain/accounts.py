@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvledger.model.facts import (
+from kvledger.domain.facts import (
     EngineFacts,
     GpuFacts,
     HostFacts,
     SourceHealth,
 )
-from kvledger.model.measure import Measure, scaled
+from kvledger.domain.measure import Measure, scaled
 
 
 @dataclass(frozen=True, slots=True)
