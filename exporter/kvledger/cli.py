@@ -203,16 +203,14 @@ def _run_until_signal(
     stop = threading.Event()
     hangup = threading.Event()
     wake = threading.Event()
+    received: list[int] = []
 
     def handle(signum: int, _frame: object) -> None:
-        log.info("received %s, shutting down", signal.Signals(signum).name)
-        if hard_exit and not stop.is_set():
-            from kvledger.collect.sources.prom_text import abandon_parses
-
-            abandon_parses()  # a parse in progress stops at its next check
-            bound = threading.Timer(SHUTDOWN_BOUND - 0.5, exit_now, args=(0, f"shutdown took over {SHUTDOWN_BOUND - 0.5:g}s"))
-            bound.daemon = True
-            bound.start()
+        # Only flags here: the handler runs on the main thread between any two bytecodes, maybe
+        # inside Thread.start() holding threading's non-reentrant locks (collector.start() starts
+        # threads right after the banner), so starting a thread or importing here can deadlock.
+        # The main thread arms the bounded exit as soon as it sees the flag.
+        received.append(signum)
         stop.set()
         wake.set()
 
@@ -240,6 +238,14 @@ def _run_until_signal(
         if hangup.is_set() and not stop.is_set():
             hangup.clear()
             reloads.request(server)
+    log.info("received %s, shutting down", signal.Signals(received[0]).name if received else "a stop")
+    if hard_exit:
+        from kvledger.collect.sources.prom_text import abandon_parses
+
+        abandon_parses()  # a parse in progress stops at its next check
+        bound = threading.Timer(SHUTDOWN_BOUND - 0.5, exit_now, args=(0, f"shutdown took over {SHUTDOWN_BOUND - 0.5:g}s"))
+        bound.daemon = True
+        bound.start()
     server.stop()
     if otlp is not None:
         otlp.stop()
