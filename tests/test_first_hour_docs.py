@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -107,15 +108,23 @@ def test_kv_events_without_a_port_is_refused(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- the demo's banner
 
-def test_the_demo_banner_names_the_pages_and_metrics() -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "kvledger.cli", "demo", "--listen", "127.0.0.1:0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env(None), cwd=ROOT)
+def test_the_demo_banner_names_the_pages_and_metrics(tmp_path: Path) -> None:
+    log = tmp_path / "demo.log"
+    env = {**_env(None), "PYTHONFAULTHANDLER": "1"}  # a hang below dumps every thread's stack to the log
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "kvledger.cli", "demo", "--listen", "127.0.0.1:0"],
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=ROOT)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            proc.wait()
+            raise AssertionError(f"the demo did not exit within 30 s of SIGTERM:\n{log.read_text()[-6000:]}") from None
     url = re.search(r"metrics on (http://127\.0\.0\.1:\d+)/metrics", line)
     assert url, line
     base = url.group(1)

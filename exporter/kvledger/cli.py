@@ -30,6 +30,7 @@ from kvledger.domain.accounts import Accounts, ConfigReload
 from kvledger.domain.facts import EngineFacts, Sharing
 from kvledger.domain.limits import MAX_CONTEXTS, MAX_TOKENS
 from kvledger.output.json_view import accounts_to_json
+from kvledger.signal_inbox import SignalInbox
 from kvledger.web.server import KvledgerHTTPServer
 
 if TYPE_CHECKING:
@@ -200,27 +201,34 @@ def _run_until_signal(
         if on_stop:
             on_stop()
         return 2
-    stop = threading.Event()
-    hangup = threading.Event()
-    wake = threading.Event()
-    received: list[int] = []
+    stops = (signal.SIGTERM, signal.SIGINT)
+    with SignalInbox((*stops, signal.SIGHUP), stops, on_stop=_bounded_exit if hard_exit else None) as inbox:
+        return _serve_until_stopped(inbox, server, collector, on_stop, otlp_endpoint, reload, announce)
 
-    def handle(signum: int, _frame: object) -> None:
-        # Only flags here: the handler runs on the main thread between any two bytecodes, maybe
-        # inside Thread.start() holding threading's non-reentrant locks (collector.start() starts
-        # threads right after the banner), so starting a thread or importing here can deadlock.
-        # The main thread arms the bounded exit as soon as it sees the flag.
-        received.append(signum)
-        stop.set()
-        wake.set()
 
-    def handle_hangup(_signum: int, _frame: object) -> None:
-        hangup.set()
-        wake.set()
+def _bounded_exit(received: signal.Signals) -> None:
+    """Run by the signal thread at the first SIGTERM/SIGINT: whatever the main thread is doing
+    (starting up, stopping, the interpreter's own exit), the process is gone within
+    SHUTDOWN_BOUND seconds."""
+    from kvledger.collect.sources.prom_text import abandon_parses
 
-    signal.signal(signal.SIGTERM, handle)
-    signal.signal(signal.SIGINT, handle)
-    signal.signal(signal.SIGHUP, handle_hangup)
+    abandon_parses()  # a parse in progress stops at its next check
+    time.sleep(SHUTDOWN_BOUND - 0.5)
+    exit_now(0, f"{received.name}: shutdown took over {SHUTDOWN_BOUND - 0.5:g}s")
+
+
+def _serve_until_stopped(
+    inbox: SignalInbox,
+    server: KvledgerHTTPServer,
+    collector: Collector,
+    on_stop: Callable[[], None] | None,
+    otlp_endpoint: str | None,
+    reload: ReloadRunner | None,
+    announce: Callable[[KvledgerHTTPServer], None] | None,
+) -> int:
+    """_run_until_signal's body once the port is bound and the signals go to ``inbox``: the
+    main thread reads each signal and acts on it as ordinary code (kvledger/signal_inbox.py
+    says why nothing runs in a handler)."""
     otlp = None
     if otlp_endpoint:
         from kvledger.output.otlp import OtlpOutput
@@ -232,20 +240,9 @@ def _run_until_signal(
     server.start()
     log.info("kvledger %s serving on %s/metrics", __version__, server.url)
     reloads = reload if reload is not None else ReloadRunner(_web_config_reload)
-    while not stop.is_set():
-        wake.wait()
-        wake.clear()
-        if hangup.is_set() and not stop.is_set():
-            hangup.clear()
-            reloads.request(server)
-    log.info("received %s, shutting down", signal.Signals(received[0]).name if received else "a stop")
-    if hard_exit:
-        from kvledger.collect.sources.prom_text import abandon_parses
-
-        abandon_parses()  # a parse in progress stops at its next check
-        bound = threading.Timer(SHUTDOWN_BOUND - 0.5, exit_now, args=(0, f"shutdown took over {SHUTDOWN_BOUND - 0.5:g}s"))
-        bound.daemon = True
-        bound.start()
+    while (received := inbox.next()) == signal.SIGHUP:
+        reloads.request(server)
+    log.info("received %s, shutting down", received.name)
     server.stop()
     if otlp is not None:
         otlp.stop()
@@ -517,8 +514,9 @@ def cmd_check(args: argparse.Namespace) -> int:
             collector.stop()
 
 
-def serve_lab(listen: str, web_config_file: str | None, query: str = "") -> int:
-    """`kvledger lab --serve`: the interactive lab page until SIGINT or SIGTERM."""
+def serve_lab(listen: str, web_config_file: str | None, query: str = "", hard_exit: bool = False) -> int:
+    """`kvledger lab --serve`: the interactive lab page until SIGINT or SIGTERM (within
+    SHUTDOWN_BOUND seconds of it with ``hard_exit``, the real process)."""
     from kvledger.web.pages import LabSite
 
     try:
@@ -526,18 +524,13 @@ def serve_lab(listen: str, web_config_file: str | None, query: str = "") -> int:
     except OSError as exc:
         log.error("cannot listen on %s: %s", listen, exc.strerror or exc)
         return 2
-    stop = threading.Event()
-
-    def handle(signum: int, _frame: object) -> None:
-        log.info("received %s, shutting down", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, handle)
-    signal.signal(signal.SIGINT, handle)
-    signal.signal(signal.SIGHUP, lambda _signum, _frame: server.reload_web_config())
-    server.start()
-    print(f"kvledger lab: the cache lab on {server.url}/{query} (Ctrl-C stops)", flush=True)
-    stop.wait()
+    stops = (signal.SIGTERM, signal.SIGINT)
+    with SignalInbox((*stops, signal.SIGHUP), stops, on_stop=_bounded_exit if hard_exit else None) as inbox:
+        server.start()
+        print(f"kvledger lab: the cache lab on {server.url}/{query} (Ctrl-C stops)", flush=True)
+        while (received := inbox.next()) == signal.SIGHUP:
+            server.reload_web_config()
+        log.info("received %s, shutting down", received.name)
     server.stop()
     return 0
 
@@ -549,7 +542,8 @@ def cmd_lab(args: argparse.Namespace) -> int:
 
     if args.serve:
         given = {k: v for k, v in (("capacity", args.capacity), ("working_set", args.working_set)) if v is not None}
-        return serve_lab(args.listen or LAB_LISTEN, args.web_config_file, f"?{urlencode(given)}" if given else "")
+        return serve_lab(args.listen or LAB_LISTEN, args.web_config_file, f"?{urlencode(given)}" if given else "",
+                         args.hard_exit)
     if args.listen or args.web_config_file:
         print("kvledger lab: --web.listen-address and --web.config.file go with --serve", file=sys.stderr)
         return 2
