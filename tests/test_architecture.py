@@ -76,6 +76,7 @@ ALLOWED: dict[str, set[str]] = {
     "tools": {"config", "output"},  # the generated reference: the engine kinds and the catalogue
     "tools.plan": {"collect.sources", "config", "domain", "output", "policy"},  # the whole planner; only the CLI imports it
     "sim": {"kvledger_engine", "collect.sources", "config", "domain"},
+    "process": set(),  # the process's own plumbing (signals): standard library only; only the CLI imports it
 }
 
 

@@ -1,4 +1,4 @@
-"""kvledger.signal_inbox, in processes of its own (signals reach a whole process): every
+"""kvledger.process.signals, in processes of its own (signals reach a whole process): every
 signal is delivered to the main thread as data whatever it is doing, and a stop runs its
 ``on_stop`` even while the main thread is blocked and never looks."""
 
@@ -14,7 +14,7 @@ from harness.kvledger_daemon import _env
 
 PRELUDE = """
 import os, signal, sys, threading, time
-from kvledger.signal_inbox import SignalInbox
+from kvledger.process.signals import SignalInbox
 """
 
 

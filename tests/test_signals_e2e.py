@@ -1,4 +1,4 @@
-"""Signals land at any moment, and the daemon still acts on each (kvledger/signal_inbox.py).
+"""Signals land at any moment, and the daemon still acts on each (kvledger.process.signals.py).
 
 Before: the SIGTERM and SIGHUP handlers set threading.Events, whose non-reentrant locks the
 main thread itself holds inside ``Event.wait()``/``clear()`` and ``Thread.start()``; a signal

@@ -30,7 +30,7 @@ from kvledger.domain.accounts import Accounts, ConfigReload
 from kvledger.domain.facts import EngineFacts, Sharing
 from kvledger.domain.limits import MAX_CONTEXTS, MAX_TOKENS
 from kvledger.output.json_view import accounts_to_json
-from kvledger.signal_inbox import SignalInbox
+from kvledger.process.signals import SignalInbox
 from kvledger.web.server import KvledgerHTTPServer
 
 if TYPE_CHECKING:
@@ -227,7 +227,7 @@ def _serve_until_stopped(
     announce: Callable[[KvledgerHTTPServer], None] | None,
 ) -> int:
     """_run_until_signal's body once the port is bound and the signals go to ``inbox``: the
-    main thread reads each signal and acts on it as ordinary code (kvledger/signal_inbox.py
+    main thread reads each signal and acts on it as ordinary code (kvledger.process.signals.py
     says why nothing runs in a handler)."""
     otlp = None
     if otlp_endpoint:

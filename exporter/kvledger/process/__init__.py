@@ -1,0 +1,1 @@
+"""The process itself: how signals reach the daemon (signals.py)."""
