@@ -34,7 +34,7 @@ import orjson
 import pytest
 from fake_vllm import ROOT as FAKE_VLLM_ROOT
 from fake_vllm import installed
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvledger.collect.sources.base import SourceError, SubsourceReport
@@ -484,6 +484,12 @@ HYBRID_SHAPES = st.builds(
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(shape=HYBRID_SHAPES, ops=OPS, seed=st.integers(0, 2**16))
+# found by a random seed: with one running slot, a throttled step schedules req-1, the model
+# finishes it (its finish reaches the hooks only in the next step's output) and an abort of
+# the others leaves the engine idle: that publication showed req-1 still waiting
+@example(shape=dict(num_gpu_blocks=16, block_size=4, sliding_window=8, attention_chunk=8, layer_kinds=("full",),
+                    max_num_seqs=1, max_num_batched_tokens=32, async_scheduling=False),
+         ops=[("add", 1, 0.0), ("trickle", 1, 0.0), ("trickle", 1, 0.0), ("abort", 1, 0.0)], seed=1)
 def test_a_hybrid_model_every_group_in_use_equals_a_recount(shape: dict[str, Any], ops: list[tuple[str, int, float]], seed: int) -> None:
     """Several KV-cache groups share the pool (sliding window, local-attention chunk, Mamba
     and full attention in any mix): every publication states each group's blocks in use as

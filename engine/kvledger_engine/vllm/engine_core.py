@@ -215,9 +215,12 @@ class EngineLedger:
         gone: set[str] = set()
         known = self.known
         # what may have changed: every request running now (each step moves it), every
-        # request last shown running (finished by the model, preempted), and what the hooks
-        # noted (added, finished, preempted, aborted)
+        # request last shown running (finished by the model, preempted), every request finished
+        # since the last step (one finished by the model may never have been shown running: a
+        # throttled step scheduled it), and what the hooks noted (added, finished, preempted,
+        # aborted)
         touched = self.reqs.take()
+        touched |= view.finished_unreported()  # finished by the model, not yet in a step's output
         running = set(view.running_ids())
         published_running = self.published_running
         touched |= running

@@ -291,6 +291,13 @@ class EngineView:
         """The ids of the scheduler's running requests."""
         return [r.request_id for r in self.scheduler.running]
 
+    def finished_unreported(self) -> set[str]:
+        """Requests the engine finished since its last step's output: the model's finishes
+        (update_from_output) reach the hooks only in the next step's ``finished_req_ids``,
+        so a publication before that step (an abort while idle) reads them from here."""
+        finished = getattr(self.scheduler, "finished_req_ids", None)
+        return set(finished) if finished else set()
+
     def running_computed(self) -> dict[str, int]:
         """Each running request's computed tokens, by id (before a step: what a preemption
         in the step throws away, as vLLM zeroes the count when it preempts)."""
