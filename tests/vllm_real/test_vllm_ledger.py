@@ -74,6 +74,7 @@ BURST_REQUESTS = 8
 PREFIX, SUFFIX, MAX_TOKENS = 256, 32, 700  # 8 x ceil(988 / 32) = 248 blocks of caps against 127
 SLICE = 0.12
 MAX_POINTS = 25
+MAX_POINTS_UNTIL_PREEMPTED = 150
 ALERT = "KVLedgerOvercommitHigh"
 ALERT_PARTS = (  # what the alert needs, queried when it does not fire
     'kvledger_kv_reserved_bytes{basis="exact"} / on (job, instance, engine, pool) group_left () kvledger_kv_capacity_bytes',
@@ -222,6 +223,10 @@ def firing(prom: PrometheusServer, name: str) -> list[dict[str, Any]]:
     return [a for a in prom.alerts() if a["labels"]["alertname"] == name and a["state"] == "firing"]
 
 
+def _saw_preempted(rec: Record) -> bool:
+    return any(p.rows("preempted") for p in rec.points)
+
+
 @pytest.fixture(scope="module")
 def record(vllm_server: VllmServer, daemon: Daemon, prometheus: PrometheusServer) -> Iterator[Record]:
     server = vllm_server
@@ -238,7 +243,9 @@ def record(vllm_server: VllmServer, daemon: Daemon, prometheus: PrometheusServer
         try:
             burst.start()
             time.sleep(0.5)  # the requests reach the engine and wait
-            while burst.is_alive() and len(rec.points) < MAX_POINTS:
+            # MAX_POINTS, or more until one shows a preempted request: on a loaded machine a
+            # slice holds fewer steps, and 25 of them can end before the pool runs out
+            while burst.is_alive() and len(rec.points) < (MAX_POINTS if _saw_preempted(rec) else MAX_POINTS_UNTIL_PREEMPTED):
                 server.resume()
                 time.sleep(SLICE)
                 server.pause()
