@@ -185,6 +185,8 @@ def _render(accounts: Accounts | None, headers: dict[str, str]) -> bytes:
     the engines' lines made once per account (``engine_lines``), joined in engine order."""
     out: list[str] = []
     engines = accounts.engines if accounts is not None else []
+    if accounts is not None:
+        make_engine_lines(accounts)
     per_engine = [engine_lines(e, accounts, check=False) for e in engines] if accounts is not None else []
     for spec in CATALOG:
         out.append(headers[spec.name])
@@ -235,6 +237,90 @@ def engine_lines(account: EngineAccount, accounts: Accounts | None = None, *, ch
     return rendered
 
 
+def make_engine_lines(accounts: Accounts) -> None:
+    """Make the lines of every engine account of ``accounts`` that has none yet (as
+    ``engine_lines`` without its check), each engine family's samples read once for all those
+    engines together and cut by engine: per engine and family, a sample extraction of its own
+    (a generator and its Accounts) cost as much as formatting the lines, and a fleet whose every
+    engine changed was rendered engine by engine (docs/performance.md). An engine family that
+    fails is made again engine by engine, so that only the engine whose data breaks it loses it."""
+    todo = [e for e in accounts.engines if e.rendered is None]
+    names = [e.name for e in todo]
+    if len(todo) < 2 or len(set(names)) != len(names):  # one engine, or names that cannot cut a family
+        return
+    together = Accounts(todo, [], [], None, [], accounts.sharing, accounts.taken_at)
+    made: dict[str, dict[str, str]] = {name: {} for name in names}
+    for spec, prefixes in _ENGINE_SPECS:
+        try:
+            lines = _lines_by_engine(spec, prefixes, together)
+        except Exception:  # a bug of ours, or one engine's data: each engine alone (engine_lines logs)
+            continue
+        for name, family in made.items():
+            family[spec.name] = lines.get(name, "")
+    for e in todo:
+        rendered = made[e.name]
+        if len(rendered) == len(_ENGINE_SPECS):
+            e.rendered = rendered  # else engine_lines makes them, family by family, engine alone
+
+
+def _lines_by_engine(spec: MetricSpec, prefixes: dict[tuple[str, ...], str], accounts: Accounts) -> dict[str, str]:
+    """The sample lines of an engine family (its first label is the engine's name: checked at
+    import) for each engine of ``accounts``, without the check: the lines ``_family_lines``
+    writes, cut where the engine changes."""
+    parts: dict[str, list[str]] = {}
+    current: str | None = None
+    out: list[str] = []
+    numbers = _NUMBER_LINES
+    get = prefixes.get
+    for labels, value in spec.samples(accounts):
+        engine = labels[0]
+        if engine is not current:
+            if engine != current:
+                out = parts.setdefault(engine, [])
+            current = engine
+        prefix = get(labels)
+        if prefix is None:
+            prefix = _prefix(spec, prefixes, labels)
+        number = numbers.get(value)
+        if number is None:
+            number = _number_line(value)
+        out.append(prefix)
+        out.append(number)
+    return {engine: "".join(lines) for engine, lines in parts.items()}
+
+
+def _sample_lines(spec: MetricSpec, prefixes: dict[tuple[str, ...], str], samples: list[tuple[tuple[str, ...], float]]) -> str:
+    """The lines of ``samples`` of one family, already checked (``check_renderable``): the lines
+    ``_family_lines`` writes."""
+    out: list[str] = []
+    append = out.append
+    get = prefixes.get
+    numbers = _NUMBER_LINES
+    for labels, value in samples:
+        prefix = get(labels)
+        if prefix is None:
+            prefix = _prefix(spec, prefixes, labels)
+        number = numbers.get(value)
+        if number is None:
+            number = _number_line(value)
+        append(prefix)
+        append(number)
+    return "".join(out)
+
+
+def _prefix(spec: MetricSpec, prefixes: dict[tuple[str, ...], str], labels: tuple[str, ...]) -> str:
+    """``name{labels} `` of a sample, kept in the family's ``prefixes`` (see ``_family_lines``)."""
+    if len(prefixes) > MAX_PREFIXES:
+        prefixes.clear()
+    if spec.labels:
+        pairs = ",".join(f'{n}="{_escape_value(v)}"' for n, v in zip(spec.labels, labels, strict=True))
+        prefix = f"{spec.name}{{{pairs}}} "
+    else:
+        prefix = f"{spec.name} "
+    prefixes[labels] = prefix
+    return prefix
+
+
 def _family_lines(spec: MetricSpec, accounts: Accounts, *, check: bool) -> str:
     """The sample lines of one family (no header); with ``check``, ValueError for a value or
     a label value the exposition cannot carry (``check_renderable``)."""
@@ -270,6 +356,28 @@ _PREFIXES: dict[str, dict[tuple[str, ...], str]] = {spec.name: {} for spec in CA
 MAX_PREFIXES = 100_000
 #: the values most samples take, formatted once
 _NUMBERS = {float(v): repr(float(v)) for v in range(0, 1025)}
+#: each value as its sample line's end (``number\n``): those of _NUMBERS, and the values
+#: renders met (engines of a fleet report the same capacities, quotas and ratios: formatting a
+#: float costs several lookups), forgotten past MAX_NUMBER_LINES
+_NUMBER_LINES = {v: f"{text}\n" for v, text in _NUMBERS.items()}
+_BASE_NUMBER_LINES = dict(_NUMBER_LINES)
+MAX_NUMBER_LINES = 65_536
+
+
+def _number_line(value: float) -> str:
+    """``_number(value)`` and a newline, kept in _NUMBER_LINES (-0.0 reads 0.0 there, as in _NUMBERS)."""
+    line = _number(value) + "\n"
+    if len(_NUMBER_LINES) >= MAX_NUMBER_LINES:  # values come and go (and NaN never equals itself)
+        _NUMBER_LINES.clear()
+        _NUMBER_LINES.update(_BASE_NUMBER_LINES)
+    _NUMBER_LINES[value] = line
+    return line
+
+
+#: the engine families in catalogue order with their prefixes (``make_engine_lines``)
+_ENGINE_SPECS = tuple((spec, _PREFIXES[spec.name]) for spec in CATALOG if spec.name in ENGINE_FAMILIES)
+if any(spec.labels[:1] != ("engine",) for spec, _ in _ENGINE_SPECS):  # how make_engine_lines cuts a family
+    raise RuntimeError("an engine family's first label is not engine")
 
 
 def _check_value(spec: MetricSpec, labels: tuple[str, ...], value: float) -> None:
@@ -302,10 +410,19 @@ def check_renderable(accounts: Accounts) -> None:
     a sum over data-parallel ranks, API servers or series (running requests, prefix-cache
     tokens), a count of lost KV events or a reservation bound computed from them is only
     known here, after the policy. A larger value would be exported rounded (2**53 + 1 reads
-    2**53): the engine is invalid instead."""
+    2**53): the engine is invalid instead.
+
+    Checked Accounts of one engine whose lines are not made yet get them made here, from the
+    samples the check read (``engine_lines``, kept on the account): a scrape of a fleet whose
+    every engine changed then joins lines instead of reading every sample a second time."""
+    engine = accounts.engines[0] if len(accounts.engines) == 1 and accounts.engines[0].rendered is None else None
+    read: dict[str, list[tuple[tuple[str, ...], float]]] = {}
     for spec in CATALOG:
         seen: set[object] = set()  # each distinct label value is checked once (they repeat: engine, pool, basis)
-        for labels, value in spec.samples(accounts):
+        samples = list(spec.samples(accounts))
+        if engine is not None and spec.name in ENGINE_FAMILIES:
+            read[spec.name] = samples
+        for labels, value in samples:
             if not -MAX_SAFE_INT <= value <= MAX_SAFE_INT:  # NaN compares false too
                 _check_value(spec, labels, value)
             try:
@@ -316,6 +433,8 @@ def check_renderable(accounts: Accounts) -> None:
             if not isinstance(label, str) or "\x00" in label:
                 raise ValueError(f"{spec.name}: label value {label!r} is not text")
             label.encode("utf-8")
+    if engine is not None:
+        engine.rendered = {spec.name: _sample_lines(spec, prefixes, read[spec.name]) for spec, prefixes in _ENGINE_SPECS}
 
 
 def process_registry() -> CollectorRegistry:
