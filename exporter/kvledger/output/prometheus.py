@@ -309,7 +309,10 @@ def _sample_lines(spec: MetricSpec, prefixes: dict[tuple[str, ...], str], sample
 
 
 def _prefix(spec: MetricSpec, prefixes: dict[tuple[str, ...], str], labels: tuple[str, ...]) -> str:
-    """``name{labels} `` of a sample, kept in the family's ``prefixes`` (see ``_family_lines``)."""
+    """``name{labels} `` of a sample, kept in the family's ``prefixes`` (see ``_family_lines``);
+    ValueError for a label value that is not text (``_check_labels``): a kept prefix is of
+    label values the render check accepts (``_checked_lines`` relies on it)."""
+    _check_labels(spec, labels)
     if len(prefixes) > MAX_PREFIXES:
         prefixes.clear()
     if spec.labels:
@@ -334,8 +337,7 @@ def _family_lines(spec: MetricSpec, accounts: Accounts, *, check: bool) -> str:
             _check_value(spec, labels, value)
         prefix = prefixes.get(labels)  # made from Accounts the collector checked (check_renderable)
         if prefix is None:
-            if check:
-                _check_labels(spec, labels)
+            _check_labels(spec, labels)  # always: a kept prefix is of checked label values (_checked_lines)
             if names:
                 pairs = ",".join(f'{n}="{_escape_value(v)}"' for n, v in zip(names, labels, strict=True))
                 prefix = f"{spec.name}{{{pairs}}} "
@@ -412,17 +414,39 @@ def check_renderable(accounts: Accounts) -> None:
     known here, after the policy. A larger value would be exported rounded (2**53 + 1 reads
     2**53): the engine is invalid instead.
 
-    Checked Accounts of one engine whose lines are not made yet get them made here, from the
-    samples the check read (``engine_lines``, kept on the account): a scrape of a fleet whose
-    every engine changed then joins lines instead of reading every sample a second time."""
+    Accounts of one engine whose lines are not made yet get them made by the check itself, in
+    the same pass over each engine family's samples (``_checked_lines``; kept on the account, as
+    ``engine_lines`` keeps them): a scrape of a fleet whose every engine changed then joins
+    lines instead of reading every sample a second time, and a label value is checked once per
+    family while its prefix is kept, not once per check (docs/performance.md)."""
     engine = accounts.engines[0] if len(accounts.engines) == 1 and accounts.engines[0].rendered is None else None
-    read: dict[str, list[tuple[tuple[str, ...], float]]] = {}
+    rendered: dict[str, str] = {}
+    numbers = _NUMBER_LINES
     for spec in CATALOG:
+        if engine is not None and spec.name in ENGINE_FAMILIES:  # _checked_lines, inlined: per family, a call cost as much as its samples
+            get = _PREFIXES[spec.name].get
+            out: list[str] = []
+            append = out.append
+            for labels, value in spec.samples(accounts):
+                if not -MAX_SAFE_INT <= value <= MAX_SAFE_INT:  # NaN compares false too
+                    _check_value(spec, labels, value)
+                try:
+                    prefix = get(labels)
+                except TypeError:
+                    raise ValueError(f"{spec.name}: a label value is not text: {labels!r}"[:300]) from None
+                if prefix is None:  # label values not checked yet: the family's values, then its labels
+                    rendered[spec.name] = _checked_lines(spec, accounts)
+                    break
+                number = numbers.get(value)
+                if number is None:
+                    number = _number_line(value)
+                append(prefix)
+                append(number)
+            else:
+                rendered[spec.name] = "".join(out)
+            continue
         seen: set[object] = set()  # each distinct label value is checked once (they repeat: engine, pool, basis)
-        samples = list(spec.samples(accounts))
-        if engine is not None and spec.name in ENGINE_FAMILIES:
-            read[spec.name] = samples
-        for labels, value in samples:
+        for labels, value in spec.samples(accounts):
             if not -MAX_SAFE_INT <= value <= MAX_SAFE_INT:  # NaN compares false too
                 _check_value(spec, labels, value)
             try:
@@ -434,7 +458,42 @@ def check_renderable(accounts: Accounts) -> None:
                 raise ValueError(f"{spec.name}: label value {label!r} is not text")
             label.encode("utf-8")
     if engine is not None:
-        engine.rendered = {spec.name: _sample_lines(spec, prefixes, read[spec.name]) for spec, prefixes in _ENGINE_SPECS}
+        engine.rendered = rendered
+
+
+def _checked_lines(spec: MetricSpec, accounts: Accounts) -> str:
+    """The lines of one family of ``accounts``, checked as ``check_renderable`` checks a family:
+    every value first (ValueError naming the first out of range), then the label values. A
+    sample whose label values have a prefix already is not checked again: a prefix is only
+    made of label values that passed the check (``_prefix``)."""
+    prefixes = _PREFIXES[spec.name]
+    get = prefixes.get
+    numbers = _NUMBER_LINES
+    out: list[str] = []
+    append = out.append
+    new = False  # label values without a prefix: checked once every value is
+    for labels, value in spec.samples(accounts):
+        if not -MAX_SAFE_INT <= value <= MAX_SAFE_INT:  # NaN compares false too
+            _check_value(spec, labels, value)
+        try:
+            prefix = get(labels)
+        except TypeError:
+            raise ValueError(f"{spec.name}: a label value is not text: {labels!r}"[:300]) from None
+        if prefix is None:
+            new = True
+            continue
+        number = numbers.get(value)
+        if number is None:
+            number = _number_line(value)
+        append(prefix)
+        append(number)
+    if not new:
+        return "".join(out)
+    samples = list(spec.samples(accounts))  # read again (rarely: new series): the new labels checked, then every line
+    for labels, _ in samples:
+        if get(labels) is None:
+            _prefix(spec, prefixes, labels)
+    return _sample_lines(spec, prefixes, samples)
 
 
 def process_registry() -> CollectorRegistry:
