@@ -73,9 +73,6 @@ class _Runner:
     message: str | None = None  # the full text of the latest failure
     accounted_at: float | None = None  # last_success of the latest poll whose facts were accounted
     logged: tuple[str, str] | None = None  # (reason, message) of the failure last logged; None once accounted again
-    #: the body its last poll read, in bytes (None: not polled yet; 0: a 304, or no HTTP answer):
-    #: whether its next poll is spaced from the others (``Collector._submit_idle``)
-    last_body: int | None = None
 
 
 @dataclass
@@ -96,13 +93,8 @@ def _close(source: Source) -> None:
         log.exception("closing source %s/%s", source.engine, source.kind)
 
 
-#: seconds between the starts of two polls of one cycle that read large answers (see
-#: ``Collector._submit_idle``)
+#: seconds between the starts of two polls of one cycle (see ``Collector._submit_idle``)
 POLL_SPACING = 0.005
-#: an answer of at least this many bytes makes its source's next poll one that is spaced: a
-#: smaller one (a 304, a document of a few requests) is read in far less than POLL_SPACING, so
-#: its poll starts at once (a sleep per poll cost an idle fleet a third of its CPU)
-SPACED_BODY = 64 << 10
 
 
 #: threads polling sources: one per SOURCES_PER_WORKER sources, at least MIN_POLL_WORKERS
@@ -327,14 +319,9 @@ class Collector:
         now = time.monotonic()
         self._replace_stuck_pool(now)
         idle = [r for r in self._runners if r.future is None]
-        # only polls whose last answer was large (or unknown yet) are spaced; the others start at
-        # once, first (a worker's sleep before each of a thousand idle engines' 304s cost more
-        # CPU than the 304s themselves: docs/performance.md)
-        spaced = [r for r in idle if r.last_body is None or r.last_body >= SPACED_BODY]
-        at_once = [r for r in idle if not (r.last_body is None or r.last_body >= SPACED_BODY)]
-        spacing = min(POLL_SPACING, 0.1 * self.interval / max(1, len(spaced)))
-        for i, r in enumerate(at_once + spaced):
-            r.started = now + max(0, i - len(at_once)) * spacing
+        spacing = min(POLL_SPACING, 0.1 * self.interval / max(1, len(idle)))
+        for i, r in enumerate(idle):
+            r.started = now + i * spacing
             r.running = False
             r.context = None
             r.timed_out = False
@@ -369,7 +356,6 @@ class Collector:
                 outcome = r.future.result()
                 r.future = None
                 r.running = False
-                r.last_body = r.context.body_bytes if r.context is not None else 0
                 r.health.duration_seconds = outcome.duration
                 if outcome.error is None and outcome.duration > r.timeout and outcome.phase is not None:
                     # answered in time but read too slowly: down, saying so, at every such poll (never up
