@@ -358,22 +358,14 @@ _PREFIXES: dict[str, dict[tuple[str, ...], str]] = {spec.name: {} for spec in CA
 MAX_PREFIXES = 100_000
 #: the values most samples take, formatted once
 _NUMBERS = {float(v): repr(float(v)) for v in range(0, 1025)}
-#: each value as its sample line's end (``number\n``): those of _NUMBERS, and the values
-#: renders met (engines of a fleet report the same capacities, quotas and ratios: formatting a
-#: float costs several lookups), forgotten past MAX_NUMBER_LINES
+#: each value of _NUMBERS as its sample line's end (``number\n``)
 _NUMBER_LINES = {v: f"{text}\n" for v, text in _NUMBERS.items()}
-_BASE_NUMBER_LINES = dict(_NUMBER_LINES)
-MAX_NUMBER_LINES = 65_536
 
 
 def _number_line(value: float) -> str:
-    """``_number(value)`` and a newline, kept in _NUMBER_LINES (-0.0 reads 0.0 there, as in _NUMBERS)."""
-    line = _number(value) + "\n"
-    if len(_NUMBER_LINES) >= MAX_NUMBER_LINES:  # values come and go (and NaN never equals itself)
-        _NUMBER_LINES.clear()
-        _NUMBER_LINES.update(_BASE_NUMBER_LINES)
-    _NUMBER_LINES[value] = line
-    return line
+    """``_number(value)`` and a newline (a value _NUMBER_LINES lacks). Keeping the values
+    renders met as well measured no faster (1,000 engines' check: 104 against 105 ms)."""
+    return _number(value) + "\n"
 
 
 #: the engine families in catalogue order with their prefixes (``make_engine_lines``)
