@@ -185,8 +185,6 @@ def _render(accounts: Accounts | None, headers: dict[str, str]) -> bytes:
     the engines' lines made once per account (``engine_lines``), joined in engine order."""
     out: list[str] = []
     engines = accounts.engines if accounts is not None else []
-    if accounts is not None:
-        make_engine_lines(accounts)
     per_engine = [engine_lines(e, accounts, check=False) for e in engines] if accounts is not None else []
     for spec in CATALOG:
         out.append(headers[spec.name])
@@ -235,58 +233,6 @@ def engine_lines(account: EngineAccount, accounts: Accounts | None = None, *, ch
                 rendered[spec.name] = ""
         account.rendered = rendered
     return rendered
-
-
-def make_engine_lines(accounts: Accounts) -> None:
-    """Make the lines of every engine account of ``accounts`` that has none yet (as
-    ``engine_lines`` without its check), each engine family's samples read once for all those
-    engines together and cut by engine: per engine and family, a sample extraction of its own
-    (a generator and its Accounts) cost as much as formatting the lines, and a fleet whose every
-    engine changed was rendered engine by engine (docs/performance.md). An engine family that
-    fails is made again engine by engine, so that only the engine whose data breaks it loses it."""
-    todo = [e for e in accounts.engines if e.rendered is None]
-    names = [e.name for e in todo]
-    if len(todo) < 2 or len(set(names)) != len(names):  # one engine, or names that cannot cut a family
-        return
-    together = Accounts(todo, [], [], None, [], accounts.sharing, accounts.taken_at)
-    made: dict[str, dict[str, str]] = {name: {} for name in names}
-    for spec, prefixes in _ENGINE_SPECS:
-        try:
-            lines = _lines_by_engine(spec, prefixes, together)
-        except Exception:  # a bug of ours, or one engine's data: each engine alone (engine_lines logs)
-            continue
-        for name, family in made.items():
-            family[spec.name] = lines.get(name, "")
-    for e in todo:
-        rendered = made[e.name]
-        if len(rendered) == len(_ENGINE_SPECS):
-            e.rendered = rendered  # else engine_lines makes them, family by family, engine alone
-
-
-def _lines_by_engine(spec: MetricSpec, prefixes: dict[tuple[str, ...], str], accounts: Accounts) -> dict[str, str]:
-    """The sample lines of an engine family (its first label is the engine's name: checked at
-    import) for each engine of ``accounts``, without the check: the lines ``_family_lines``
-    writes, cut where the engine changes."""
-    parts: dict[str, list[str]] = {}
-    current: str | None = None
-    out: list[str] = []
-    numbers = _NUMBER_LINES
-    get = prefixes.get
-    for labels, value in spec.samples(accounts):
-        engine = labels[0]
-        if engine is not current:
-            if engine != current:
-                out = parts.setdefault(engine, [])
-            current = engine
-        prefix = get(labels)
-        if prefix is None:
-            prefix = _prefix(spec, prefixes, labels)
-        number = numbers.get(value)
-        if number is None:
-            number = _number_line(value)
-        out.append(prefix)
-        out.append(number)
-    return {engine: "".join(lines) for engine, lines in parts.items()}
 
 
 def _sample_lines(spec: MetricSpec, prefixes: dict[tuple[str, ...], str], samples: list[tuple[tuple[str, ...], float]]) -> str:
@@ -368,10 +314,6 @@ def _number_line(value: float) -> str:
     return _number(value) + "\n"
 
 
-#: the engine families in catalogue order with their prefixes (``make_engine_lines``)
-_ENGINE_SPECS = tuple((spec, _PREFIXES[spec.name]) for spec in CATALOG if spec.name in ENGINE_FAMILIES)
-if any(spec.labels[:1] != ("engine",) for spec, _ in _ENGINE_SPECS):  # how make_engine_lines cuts a family
-    raise RuntimeError("an engine family's first label is not engine")
 
 
 def _check_value(spec: MetricSpec, labels: tuple[str, ...], value: float) -> None:
