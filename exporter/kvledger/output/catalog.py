@@ -14,6 +14,7 @@ from typing import Literal
 
 from kvledger import build_info
 from kvledger.domain.accounts import Accounts, ConfigReload, EngineAccount, PoolAccount
+from kvledger.domain.facts import GROUP_KINDS
 from kvledger.domain.limits import MAX_DOCUMENT_AGE
 from kvledger.domain.measure import Measure
 
@@ -127,8 +128,7 @@ LABELS: dict[str, Label] = {
     "driver_version": Label("the NVIDIA driver's version"),
     "mig": Label("whether the GPU is a MIG instance", frozenset({"true", "false"})),
     "group": Label("a KV-cache group of a pool (a hybrid model's layer type)"),
-    "layer_type": Label("the layer type of a KV-cache group",
-                        frozenset({"full_attention", "sliding_window", "chunked_local_attention", "mamba"})),
+    "layer_type": Label("the layer type of a KV-cache group", frozenset(GROUP_KINDS)),
     "window_tokens": Label("the tokens a KV-cache group's window or chunk spans (empty: none)"),
     "constraint": Label("a limit that stops an engine admitting work",
                         frozenset({"kv_quota", "kv_physical", "sequences", "token_budget"})),
@@ -508,8 +508,8 @@ CATALOG: tuple[MetricSpec, ...] = (
                "Tokens the pool can hold (blocks per layer group x block size).",
                _pool_value(lambda p: p.token_capacity)),
     MetricSpec("kvledger_kv_group_info", "gauge", "", "kv", ("engine", "pool", "group", "layer_type", "window_tokens"),
-               "A KV-cache group sharing the pool (a hybrid model's layers of one type: full_attention, "
-               "sliding_window, chunked_local_attention, mamba) and the tokens its window or chunk spans; 1. A "
+               f"A KV-cache group sharing the pool (a hybrid model's layers of one type: {', '.join(GROUP_KINDS)}) "
+               "and the tokens its window or chunk spans; 1. A "
                "block belongs to one group at a time; every request holds blocks in every group.", _group_info),
     MetricSpec("kvledger_kv_group_in_use_blocks", "gauge", "blocks", "kv", ("engine", "pool", "group"),
                "Unique blocks of the pool the group's requests reference (exact; the groups' sum is at most the "
