@@ -20,6 +20,8 @@ if os.environ.get("CI"):
 
 from fake_nvml import ENV_VAR, Inventory, build_library
 
+import kvledger.collect.sources.kinds  # noqa: F401  (every engine kind's registration, as the CLI imports it)
+
 
 @pytest.fixture(scope="session")
 def fake_nvml_lib() -> ctypes.CDLL:

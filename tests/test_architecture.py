@@ -60,7 +60,9 @@ ALLOWED: dict[str, set[str]] = {
     "domain": {"kvledger_engine"},  # facts and accounts: data
     "policy": {"domain", "kvledger_engine"},  # pure formulas over facts
     "protocol": {"domain", "kvledger_engine"},  # the wire format into facts (the request definition and wire words from the engine side)
-    "config": {"domain"},  # the typed configuration, its loader and the engine kinds table (engine_kinds.py)
+    # the typed configuration, its loader and the engine kinds table (engine_kinds.py, filled by
+    # each kind's registration in collect/sources/<kind>/kind.py: config never imports collect)
+    "config": {"domain"},
     # facts only, never the policy or outputs; collect: the folder it is part of (collect/memory.py
     # gives freed bodies back to the OS, and the registry takes each engine's configured facts from
     # collect/merge.py)
@@ -73,7 +75,8 @@ ALLOWED: dict[str, set[str]] = {
     # tools: the /lab page runs the cache lab's own code (tools/lab.py, standard library only),
     # the one that `kvledger lab` runs
     "web": {"output", "collect", "config", "domain", "tools", "kvledger"},
-    "tools": {"config", "output"},  # the generated reference: the engine kinds and the catalogue
+    # the generated reference: the engine kinds (their registrations: collect/sources/kinds.py) and the catalogue
+    "tools": {"collect.sources", "config", "output"},
     "tools.plan": {"collect.sources", "config", "domain", "output", "policy"},  # the whole planner; only the CLI imports it
     "sim": {"kvledger_engine", "collect.sources", "config", "domain"},
     "process": set(),  # the process's own plumbing (signals): standard library only; only the CLI imports it
