@@ -237,6 +237,7 @@ def test_render_survives_a_family_that_raises(monkeypatch: pytest.MonkeyPatch) -
 
     broken = dataclasses.replace(spec, samples=boom)
     monkeypatch.setattr(out, "CATALOG", tuple(broken if s is spec else s for s in out.CATALOG))
+    monkeypatch.setattr(out, "_ENGINE_SPECS", tuple(broken if s is spec else s for s in out._ENGINE_SPECS))
     s = samples(render_text(accounts))
     assert ("kvledger_kv_capacity_blocks", (("engine", "good"), ("pool", "0"))) not in s
     assert s[("kvledger_kv_capacity_bytes", (("engine", "good"), ("pool", "0")))] == 1000
