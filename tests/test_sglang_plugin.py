@@ -149,8 +149,8 @@ def test_nothing_of_the_ledger_is_imported_without_the_setting() -> None:
     """)
     env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60, check=True)
-    assert json.loads(done.stdout.replace("'", '"')) == ["kvledger_engine", "kvledger_engine.sglang", "kvledger_engine.sglang.plugin",
-                                                         "kvledger_engine.sglang.settings"]
+    assert json.loads(done.stdout.replace("'", '"')) == ["kvledger_engine", "kvledger_engine.plugin_settings", "kvledger_engine.sglang",
+                                                         "kvledger_engine.sglang.plugin", "kvledger_engine.sglang.settings"]
 
 
 def test_the_plugin_serves_an_idle_scheduler(sock_dir: Path) -> None:
