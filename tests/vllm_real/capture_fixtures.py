@@ -1,7 +1,7 @@
 """Capture fresh real-vLLM fixtures into tests/fixtures/vllm/ (the one copy the tests read).
 
     tests/vllm_real/setup_env.sh
-    PYTHONPATH=exporter .venv/bin/python -m tests.vllm_real.capture_fixtures
+    PYTHONPATH=exporter:tests .venv/bin/python -m tests.vllm_real.capture_fixtures
 
 Starts one tiny-model server, sends a burst that preempts and evicts, resets the prefix
 cache, sends a second burst, waits until idle, and writes:

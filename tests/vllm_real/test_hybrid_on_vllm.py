@@ -288,7 +288,7 @@ def capture_point(label: str, server: VllmServer, daemon_url: str, stock_url: st
         if usage_blocks(again, 1) == usage_blocks(text, 1):
             break
         text = again
-    doc = server.ledger_page_data()
+    doc = server.ledger_document()
     usable = int(doc["pools"][0]["num_blocks"])  # type: ignore[index]
     since = time.time()
     recount = read_recount(server)
@@ -296,7 +296,7 @@ def capture_point(label: str, server: VllmServer, daemon_url: str, stock_url: st
                              "a poll of vLLM and its ledger inside the pause")
     stock = wait_for_scrape(stock_url, lambda s: polled_after(since)(s) and s.up("kv_events") == 1, 20,
                             "a poll of vLLM and its KV events inside the pause (no ledger)")
-    later = server.ledger_page_data()
+    later = server.ledger_document()
     assert later["pools"] == doc["pools"] and later["requests"] == doc["requests"], f"{label}: the ledger moved while paused"
     return LedgerPoint(label, doc, recount, usage_blocks(text, usable), scrape, stock)
 

@@ -136,13 +136,13 @@ def capture(label: str, server: VllmServer, daemon_url: str, stream: EventStream
     """Everything at one point; the engine must be paused (or idle)."""
     vllm = settle_vllm(server)
     stable_since = time.time()
-    doc = server.ledger_page_data()
+    doc = server.ledger_document()
     batches = stream.settle(quiet=0.3)
     cached = cached_count_by_events_applied(batches)[len(list(iter_events(batches)))]
     scrape = wait_for_scrape(daemon_url, lambda s: polled_after(stable_since)(s) and s.up("ledger") == 1, 20,
                              "a poll of vLLM and its ledger inside the pause")
     assert VllmState.of(server.metrics_text()) == vllm, f"{label}: vLLM moved while paused"
-    again = server.ledger_page_data()
+    again = server.ledger_document()
     assert again["pools"] == doc["pools"] and again["requests"] == doc["requests"], f"{label}: ledger moved while paused"
     return Point(label, vllm, doc, scrape, cached)
 
@@ -462,7 +462,7 @@ def test_without_the_integration_vllm_is_unchanged_and_the_daemon_falls_back(
     # inert: not one line (the engine's own paths may name the machine's cache, ~/.cache/kvledger/vllm-<pins>)
     assert "kvledger" not in re.sub(r"\S*/\.cache/kvledger/\S*", "", log)
     with pytest.raises((ConnectionRefusedError, FileNotFoundError)):  # a killed engine may leave the file
-        vllm_server.ledger_page_data()
+        vllm_server.ledger_document()
     result = vllm_server.complete(words(unique_suffix_ids(7, 40)), 20)
     assert result.status == 200 and result.completion_tokens == 20
     s = wait_for_scrape(daemon.url, lambda s: s.up("vllm") == 1 and s.up("ledger") == 0, 60,
