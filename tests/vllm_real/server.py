@@ -50,6 +50,7 @@ SERVE_FLAGS: tuple[str, ...] = (
     "--kv-cache-memory-bytes", str(KV_CACHE_MEMORY_BYTES),
     "--enforce-eager",
     "--served-model-name", SERVED_MODEL_NAME,
+    "--enable-server-load-tracking",  # GET /load: the requests the API server holds (wait_api_holds)
 )  # fmt: skip
 # with the in-engine ledger on: kvledger's tenant middleware (an X-Tenant header becomes the
 # ledger's tenant)
@@ -392,11 +393,12 @@ class VllmServer(EngineServer):
         if status != 200:
             raise RuntimeError(f"POST /resume answered {status}: {text[:500]}")
 
-    def ledger_document(self, timeout: float = 10.0) -> dict[str, object]:
-        """The in-engine ledger's published document: GET / on its Unix socket, as JSON."""
+    def ledger_document(self, timeout: float = 10.0, path: Path | None = None) -> dict[str, object]:
+        """The in-engine ledger's published document: GET / on its Unix socket (``path``: another
+        rank's), as JSON."""
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
-            sock.connect(str(self.ledger_socket))
+            sock.connect(str(path or self.ledger_socket))
             sock.sendall(b"GET / HTTP/1.1\r\nHost: ledger\r\nConnection: close\r\n\r\n")
             data = b""
             while chunk := sock.recv(1 << 16):
@@ -409,3 +411,37 @@ class VllmServer(EngineServer):
     def burst(self, **kwargs: object) -> BurstResult:
         """See :func:`run_burst` for the keyword arguments."""
         return run_burst(self.base_url, **kwargs)  # type: ignore[arg-type]
+
+    def engine_requests(self) -> int:
+        """The requests the engine's scheduler holds (running, preempted or waiting), as the
+        in-engine ledger last published them."""
+        return len(self.ledger_document()["requests"])  # type: ignore[arg-type]
+
+    def wait_engine_holds(self, requests: int, timeout: float = 60.0) -> None:
+        """While paused (``pause()``): wait until the engine's scheduler holds ``requests``
+        requests, e.g. a burst sent during the pause. A request sent to a paused engine is
+        queued in its scheduler without a step, and only a step or a pause publishes the
+        ledger: each look pauses again (the plugin publishes at every pause, the requests
+        queued since included) and reads the ledger. The timeout only bounds a failure."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.pause()
+            held = self.engine_requests()
+            if held >= requests:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the paused engine holds {held} of {requests} requests after {timeout} s")
+            time.sleep(0.05)  # pacing of the look; the deadline only bounds a failure
+
+    def server_load(self) -> int:
+        """GET /load: the requests the API server is handling (``--enable-server-load-tracking``)."""
+        return int(json.loads(http_get(f"{self.base_url}/load"))["server_load"])
+
+    def wait_api_holds(self, requests: int, timeout: float = 60.0) -> None:
+        """Wait until the API server handles ``requests`` requests (GET /load): with the engine
+        stopped (SIGSTOP) they go no further. The timeout only bounds a failure."""
+        deadline = time.monotonic() + timeout
+        while (load := self.server_load()) < requests:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the API server handles {load} of {requests} requests after {timeout} s")
+            time.sleep(0.05)  # pacing of the poll
