@@ -243,6 +243,7 @@ def _family_lines(spec: MetricSpec, accounts: Accounts, *, check: bool) -> str:
     read by name, written in the family's order (``spec.labels``); a sample whose names are
     not the family's is a ValueError (a name it lacks: KeyError)."""
     names = spec.labels
+    count = len(names)
     key_of = _KEYS[spec.name]
     lines: list[str] = []
     prefixes = _PREFIXES[spec.name]
@@ -251,10 +252,11 @@ def _family_lines(spec: MetricSpec, accounts: Accounts, *, check: bool) -> str:
     for labels, value in spec.samples(accounts):
         if check and not -MAX_SAFE_INT <= value <= MAX_SAFE_INT:
             _check_value(spec, labels, value)
-        key = key_of(labels)  # the values of the family's names, taken by name
+        key = key_of(labels)  # the values of the family's names, taken by name (one missing: KeyError)
+        if len(labels) != count:  # every name there and no other, whether or not the prefix is kept
+            _check_names(spec, labels)
         prefix = prefixes.get(key)  # made from Accounts the collector checked (check_renderable)
         if prefix is None:
-            _check_names(spec, labels)
             if check:
                 _check_labels(spec, labels)
             if names:
