@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
-from import_graph import calls, cycles, defined_names, import_graph, imported_packages, modules, read_names
+from import_graph import calls, cycles, defined_names, import_graph, imported_packages, modules, parse_python, read_names
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = (ROOT / "exporter", "kvledger"), (ROOT / "engine", "kvledger_engine")
@@ -187,6 +187,6 @@ def test_the_name_checks_find_what_they_look_for(tmp_path: Path) -> None:
 
 def test_the_policy_face_names_its_modules() -> None:
     """``policy/__init__.py`` lists by concern exactly the modules the package has."""
-    doc = ast.get_docstring(ast.parse(FILES["kvledger.policy"].read_text())) or ""
+    doc = ast.get_docstring(parse_python(FILES["kvledger.policy"].read_text())) or ""
     named = set(re.findall(r"``(\w+)``", doc))
     assert named == {m.rsplit(".", 1)[1] for m in FILES if m.startswith("kvledger.policy.")}

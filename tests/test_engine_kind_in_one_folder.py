@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from import_graph import parse_python
 
 from kvledger.collect.collector import Collector
 from kvledger.collect.sources.registry import build_sources
@@ -186,7 +187,7 @@ def test_each_kind_is_its_folder_and_one_line_of_the_kinds_list() -> None:
     """collect/sources/kinds.py is one import per kind and nothing else: the import of the kind's
     registration (``<folder>/kind.py``), which registers the kind of that folder and no other."""
     sources = ROOT / "exporter" / "kvledger" / "collect" / "sources"
-    tree = ast.parse((sources / "kinds.py").read_text())
+    tree = parse_python((sources / "kinds.py").read_text())
     body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
     imports = [n for n in body if isinstance(n, ast.Import) and len(n.names) == 1]
     assert len(imports) == len(body) - 1  # and ``from __future__ import annotations``
@@ -194,7 +195,7 @@ def test_each_kind_is_its_folder_and_one_line_of_the_kinds_list() -> None:
     assert sorted(modules) == sorted(f"kvledger.collect.sources.{p.parent.name}.kind" for p in sources.glob("*/kind.py"))
     registered_in = {}
     for path in sources.glob("*/kind.py"):
-        names = [k.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.keyword) and n.arg == "name"
+        names = [k.value for n in ast.walk(parse_python(path.read_text())) if isinstance(n, ast.keyword) and n.arg == "name"
                  and isinstance(k := n.value, ast.Constant)]
         assert len(names) == 1, path
         registered_in[names[0]] = path.parent.name
@@ -213,7 +214,7 @@ def test_outside_its_folder_and_its_registration_no_module_names_a_kind() -> Non
     for path in sorted(package.rglob("*.py")):
         if path.parent.name == "sim":
             continue
-        named = {n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant)
+        named = {n.value for n in ast.walk(parse_python(path.read_text())) if isinstance(n, ast.Constant)
                  and isinstance(n.value, str) and n.value in KINDS and n.value != "ledger"}
         home = package / "collect" / "sources"
         wrong += [f"{path.relative_to(ROOT)} names {kind!r}" for kind in sorted(named)

@@ -64,6 +64,8 @@ def test_the_renderer_writes_labels_by_name_in_the_familys_order() -> None:
         _family_lines(spec, accounts, check=True)
     line = _family_lines(spec, accounts, check=True).splitlines()[0]
     assert re.match(r'kvledger_kv_headroom_bytes\{engine="[^"]*",pool="[^"]*",view="(quota|physical)",basis="\w+"\} ', line)
+    good = {"engine": "e", "pool": "0", "view": "quota", "basis": "exact"}  # its prefix is kept from here on:
+    _family_lines(dataclasses.replace(spec, samples=lambda a: iter([(good, 1.0)])), accounts, check=True)
     for bad in ({"engine": "e", "pool": "0", "view": "quota", "basis": "exact", "kind": "quota"},  # one name too many
                 {"engine": "e", "pool": "0", "basis": "exact", "kind": "quota"}):  # view under another name
         wrong = dataclasses.replace(spec, samples=lambda a, labels=bad: iter([(labels, 1.0)]))

@@ -243,6 +243,7 @@ def _family_lines(spec: MetricSpec, accounts: Accounts, *, check: bool) -> str:
     read by name, written in the family's order (``spec.labels``); a sample whose names are
     not the family's is a ValueError (a name it lacks: KeyError)."""
     names = spec.labels
+    count = len(names)
     key_of = _KEYS[spec.name]
     lines: list[str] = []
     prefixes = _PREFIXES[spec.name]
@@ -251,10 +252,11 @@ def _family_lines(spec: MetricSpec, accounts: Accounts, *, check: bool) -> str:
     for labels, value in spec.samples(accounts):
         if check and not -MAX_SAFE_INT <= value <= MAX_SAFE_INT:
             _check_value(spec, labels, value)
-        key = key_of(labels)  # the values of the family's names, taken by name
+        key = key_of(labels)  # the values of the family's names, taken by name (one missing: KeyError)
+        if len(labels) != count:  # every name there and no other, whether or not the prefix is kept
+            _check_names(spec, labels)
         prefix = prefixes.get(key)  # made from Accounts the collector checked (check_renderable)
         if prefix is None:
-            _check_names(spec, labels)
             _check_labels(spec, labels)  # always: a kept prefix is of checked label values (_checked_lines)
             if names:
                 pairs = ",".join(f'{n}="{_escape_value(labels[n])}"' for n in names)
@@ -351,6 +353,7 @@ def check_renderable(accounts: Accounts) -> None:
         if engine is not None and spec.name in ENGINE_FAMILIES:  # _checked_lines inlined: a call per family cost as much as its samples
             get = _PREFIXES[spec.name].get
             key_of = _KEYS[spec.name]
+            count = len(spec.labels)
             out: list[str] = []
             append = out.append
             for labels, value in spec.samples(accounts):
@@ -360,6 +363,8 @@ def check_renderable(accounts: Accounts) -> None:
                     prefix = get(key_of(labels))
                 except TypeError:
                     raise ValueError(f"{spec.name}: a label value is not text: {labels!r}"[:300]) from None
+                if len(labels) != count:  # every name there and no other, as _family_lines checks
+                    _check_names(spec, labels)
                 if prefix is None:  # label values not checked yet: the family's values, then its labels
                     rendered[spec.name] = _checked_lines(spec, accounts)
                     break
