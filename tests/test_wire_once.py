@@ -23,6 +23,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,17 +69,23 @@ _PROBE = textwrap.dedent('''
 ''')
 
 
-def test_a_new_request_field_is_one_entry(tmp_path: Path) -> None:
+def _probe_with_one_entry(tmp_path: Path, module: str, anchor: str, entry: str, probe: str) -> Any:
+    """Run ``probe`` in a fresh interpreter over a copy of the engine package whose ``module``
+    has ``entry`` added before ``anchor`` (its one place), the daemon's own code unchanged;
+    its JSON output."""
     copy = tmp_path / "kvledger_engine"
     shutil.copytree(ENGINE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    source = (copy / "request_wire.py").read_text()
-    anchor = '    Field("block_ids", "integers"'
+    source = (copy / module).read_text()
     assert source.count(anchor) == 1
-    (copy / "request_wire.py").write_text(source.replace(anchor, _ONE_ENTRY + anchor))
+    (copy / module).write_text(source.replace(anchor, entry + anchor))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT / "exporter")]))
-    done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+    return json.loads(done.stdout)
+
+
+def test_a_new_request_field_is_one_entry(tmp_path: Path) -> None:
+    out = _probe_with_one_entry(tmp_path, "request_wire.py", '    Field("block_ids", "integers"', _ONE_ENTRY, _PROBE)
     assert out["row"]["draft_tokens"] == 7
     assert "draft_tokens" in out["columns"]
     assert out["requests"] == [[7, 0], [7, 0]]
@@ -134,16 +141,7 @@ def test_a_new_group_kind_is_one_entry(tmp_path: Path) -> None:
     vocabulary and the exposition carry it, with nothing else changed. (The published schema,
     the contract, is held to the wire terms by test_the_schema_spells_the_wire_terms, as it is
     to a new request field by tests/test_protocol.py.)"""
-    copy = tmp_path / "kvledger_engine"
-    shutil.copytree(ENGINE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    source = (copy / "wire_terms.py").read_text()
-    anchor = '    MAMBA: "state",\n}'
-    assert source.count(anchor) == 1
-    (copy / "wire_terms.py").write_text(source.replace(anchor, _ONE_GROUP_KIND + anchor))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT / "exporter")]))
-    done = subprocess.run([sys.executable, "-c", _GROUP_PROBE], capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+    out = _probe_with_one_entry(tmp_path, "wire_terms.py", '    MAMBA: "state",\n}', _ONE_GROUP_KIND, _GROUP_PROBE)
     new, window, full = out["local_window"], out["sliding_window"], out["full_attention"]
     assert new["shape"] == window["shape"] != full["shape"]
     assert any('layer_type="local_window",window_tokens="64"} 1.0' in ln for ln in new["lines"]), new["lines"]
