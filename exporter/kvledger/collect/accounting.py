@@ -222,8 +222,9 @@ def _unrenderable(accounts: list[EngineAccount], snapshot: Snapshot, render_chec
     """Why each of ``accounts`` that cannot be rendered alone cannot (by ``id``). They are
     checked together first, in one pass over the catalogue instead of one per engine (its
     families cost as much to walk for one engine as for several); only when that fails is
-    each checked alone, so an engine is judged exactly as alone: a sample the batch refuses
-    belongs to some engine's own samples, or no engine is refused."""
+    each checked alone, so an engine is judged exactly as alone. (The samples of several
+    engines are the samples of each, as every family of the catalogue walks the engines and
+    their budget terms one by one; tests/test_accounting_step.py holds the two ways alike.)"""
     if len(accounts) > 1:
         together = Accounts(accounts, [], budget_terms([a.facts for a in accounts]), None, [], snapshot.sharing, snapshot.taken_at)
         try:
