@@ -191,9 +191,9 @@ def account_snapshot(
             continue
         if limited is not None:
             result.limited[name] = limited
-        exc = unrenderable.get(id(done)) if isinstance(done, EngineAccount) else done
-        if exc is not None:  # facts the label limits, the policy or the renderer cannot carry
-            result.invalid[name] = exc
+        problem = unrenderable.get(id(done)) if isinstance(done, EngineAccount) else done
+        if problem is not None:  # facts the label limits, the policy or the renderer cannot carry
+            result.invalid[name] = problem
             fallback = _configured_account(given, snapshot, render_check)
             if fallback is not None:
                 result.accounts.engines.append(fallback)
