@@ -224,7 +224,9 @@ def _unrenderable(accounts: list[EngineAccount], snapshot: Snapshot, render_chec
     families cost as much to walk for one engine as for several); only when that fails is
     each checked alone, so an engine is judged exactly as alone. (The samples of several
     engines are the samples of each, as every family of the catalogue walks the engines and
-    their budget terms one by one; tests/test_accounting_step.py holds the two ways alike.)"""
+    their budget terms one by one; tests/test_accounting_step.py holds the two ways alike.)
+    A cycle in which an engine cannot be rendered costs one walk more than checking each
+    alone did; every other busy cycle one walk in all."""
     if len(accounts) > 1:
         together = Accounts(accounts, [], budget_terms([a.facts for a in accounts]), None, [], snapshot.sharing, snapshot.taken_at)
         try:
