@@ -24,15 +24,10 @@ Run: .venv/bin/python bench/bench_sglang_publish.py [--steps 1000] [--step-ms 30
 
 from __future__ import annotations
 
-import argparse
-import http.client
 import random
-import socket
-import statistics
-import tempfile
-import time
-from pathlib import Path
 from typing import Any
+
+from publish_cost import arguments, cases, measure, print_header, print_row, socket_path
 
 from kvledger_engine.sglang.internals import SchedulerView
 from kvledger_engine.sglang.ledger import SchedulerLedger
@@ -146,71 +141,21 @@ class ModelScheduler:
         return self.running_batch
 
 
-def read_socket(path: str, accept: str) -> bytes:
-    class Conn(http.client.HTTPConnection):
-        def connect(self) -> None:
-            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.sock.connect(path)
-
-    conn = Conn("localhost", timeout=60)
-    conn.request("GET", "/", headers={"Accept": accept})
-    body = conn.getresponse().read()
-    conn.close()
-    return body
-
-
 def run(requests: int, steps: int, form: str, step_ms: float, page: int) -> dict[str, float]:
     scheduler = ModelScheduler(requests, page)
-    sock = str(Path(tempfile.mkdtemp()) / "ledger.sock")
+    sock = socket_path()
     ledger = SchedulerLedger(SchedulerView(scheduler), Settings(address=f"unix://{sock}", min_interval=0.1), "0.5.23")
-    accept = "application/vnd.kvledger.v1.columns+json" if form == "columns" else "application/json"
-    steps_per_second = 1000 / step_ms
-    replace_every = max(1, round(steps_per_second / (0.05 * requests)))  # ~5 % of requests a second
-    hooks, publishes, renders = [], [], []
-    clock = [0.0]  # engine time: each step takes step_ms, as the throttle sees it
-    ledger.throttle.clock = lambda: clock[0]
-    ledger.throttle.next_at = 0.0
-    try:
-        for i in range(steps):
-            batch = scheduler.step(1 if i % replace_every == 0 else 0)
-            publications = ledger.publications
-            t = time.thread_time()
-            ledger.after_step((batch,))  # the hook after process_batch_result
-            cost = time.thread_time() - t
-            (publishes if ledger.publications != publications else hooks).append(cost)
-            if int((i + 1) / steps_per_second) != int(i / steps_per_second):  # the daemon's poll, once a second
-                before = ledger.document.render_seconds
-                read_socket(sock, accept)
-                renders.append(ledger.document.render_seconds - before)
-            clock[0] += step_ms / 1000
-    finally:
-        ledger.close()
-    return {
-        "hooks_us": statistics.median(hooks) * 1e6 if hooks else 0.0,
-        "publish_ms": statistics.median(publishes) * 1e3 if publishes else 0.0,
-        "publishes_per_step": len(publishes) / steps,
-        "render_ms": statistics.median(renders) * 1e3 if renders else 0.0,
-    }
+    return measure(ledger, sock, requests=requests, steps=steps, form=form, step_ms=step_ms,
+                   advance=scheduler.step, hook=lambda batch: ledger.after_step((batch,)))  # the hook after process_batch_result
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--step-ms", type=float, default=30.0, help="a scheduler step's time, for the share")
-    ap.add_argument("--form", default="columns,rows")
-    ap.add_argument("--requests", default="1000,10000", help="running requests, comma-separated")
+    ap = arguments("a scheduler")
     ap.add_argument("--page", type=int, default=1, help="tokens per page (SGLang's --page-size)")
     args = ap.parse_args()
-    print("| requests | form read | hooks / step (no publication) | publication | publications / step | render per read "
-          "| scheduler-thread cost per step | share of a step |")
-    print("|---|---|---|---|---|---|---|---|")
-    for n in map(int, args.requests.split(",")):
-        for form in args.form.split(","):
-            r = run(n, args.steps, form, args.step_ms, args.page)
-            per_step_ms = (r["hooks_us"] / 1000 * (1 - r["publishes_per_step"]) + r["publish_ms"] * r["publishes_per_step"]
-                           + r["render_ms"] * args.step_ms / 1000)
-            print(f"| {n:,} | {form} | {r['hooks_us']:.0f} us | {r['publish_ms']:.2f} ms | {r['publishes_per_step']:.3f} "
-                  f"| {r['render_ms']:.2f} ms | {per_step_ms * 1000:.0f} us | {per_step_ms / args.step_ms:.2%} |", flush=True)
+    print_header("scheduler")
+    for n, form in cases(args):
+        print_row(n, form, run(n, args.steps, form, args.step_ms, args.page), args.step_ms)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/vllm_real/server.py imports harness/
 
 import tests.vllm_real.server as server_module  # noqa: E402
 from tests.vllm_real.server import (  # noqa: E402
@@ -80,7 +80,7 @@ def run_one(model: Path, mode: str, args: argparse.Namespace) -> dict[str, float
     def poll() -> None:
         while not stop.wait(args.poll):
             try:
-                server.ledger_page_data()
+                server.ledger_document()
                 reads[0] += 1
             except OSError:
                 pass
@@ -95,7 +95,7 @@ def run_one(model: Path, mode: str, args: argparse.Namespace) -> dict[str, float
         stop.set()
         out = {"seconds": seconds, "steps": n_steps, "step_ms": 1000 * seconds / max(n_steps, 1)}
         if ledger:
-            doc = server.ledger_page_data()
+            doc = server.ledger_document()
             stats = doc["integration"]
             out["publish_seconds"] = float(stats["publish_seconds_total"])  # type: ignore[index]
             out["publications"] = float(stats["publications"])  # type: ignore[index]

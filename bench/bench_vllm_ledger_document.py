@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -189,24 +188,17 @@ def bench_reference(rows: Rows, runs: int) -> dict[str, Any]:
 def bench_publish(n: int, publications: int) -> dict[str, Any]:
     """EngineLedger.publish on the fake vLLM: n requests, RUNNING of them decoding."""
     from fake_vllm import installed
+    from plugin_support import plugin_environment
 
     from kvledger_engine.vllm import plugin
 
-    saved = {k: os.environ.get(k) for k in ("KVLEDGER_VLLM_LEDGER", "KVLEDGER_VLLM_TENANT")}
     with tempfile.TemporaryDirectory(prefix="kvl-bench-", dir="/tmp") as directory, installed() as driver:
-        os.environ["KVLEDGER_VLLM_LEDGER"] = f"{directory}/ledger.sock"
-        os.environ["KVLEDGER_VLLM_TENANT"] = "request"
-        try:
+        with plugin_environment(("KVLEDGER_VLLM_LEDGER", "KVLEDGER_VLLM_TENANT"),
+                                KVLEDGER_VLLM_LEDGER=f"{directory}/ledger.sock", KVLEDGER_VLLM_TENANT="request"):
             plugin.register()
             spec = driver.EngineSpec(num_gpu_blocks=16384, block_size=BLOCK, bytes_per_block=2 << 20, max_model_len=4096,
                                      max_num_seqs=RUNNING, max_num_batched_tokens=16384)  # fmt: skip
             scheduler = driver.build_scheduler(spec)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         ledger = scheduler._kvledger
         assert ledger is not None, "the integration did not attach"
         ledger.throttle.cost_ratio = 0.0  # publish at every step below: the clock jumps 1 s a step
@@ -248,9 +240,9 @@ def bench_publish(n: int, publications: int) -> dict[str, Any]:
         hooks: list[float] = []
         after_schedule = ledger.after_schedule
 
-        def timed_schedule(output: Any) -> None:
+        def timed_schedule(output: Any, before: dict[str, int] | None = None) -> None:
             began = clock()
-            after_schedule(output)
+            after_schedule(output, before)
             hooks.append(clock() - began)
 
         ledger.after_schedule = timed_schedule  # type: ignore[method-assign]

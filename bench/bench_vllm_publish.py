@@ -27,16 +27,11 @@ Run: .venv/bin/python bench/bench_vllm_publish.py [--steps 1000] [--step-ms 30] 
 
 from __future__ import annotations
 
-import argparse
-import http.client
 import random
-import socket
-import statistics
-import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from publish_cost import arguments, cases, measure, print_header, print_row, socket_path
 
 from kvledger_engine.vllm.engine_core import EngineLedger
 from kvledger_engine.vllm.published import GroupStatic, PoolStatic, RequestRow
@@ -159,6 +154,9 @@ class FakeView:
     def running_ids(self) -> list[str]:
         return list(self.requests)
 
+    def finished_unreported(self) -> set[str]:
+        return set()  # every finish is in its step's output here (FakeOutput.finished_req_ids)
+
     def read_request(self, rid: str, assign: Callable[[int, int], None] | None = None) -> RequestRow | None:
         req = self.requests.get(rid)
         if req is None:
@@ -189,71 +187,21 @@ class FakeView:
                 **({} if iteration_tokens is None else {"iteration_tokens": iteration_tokens})}
 
 
-def read_socket(path: str, accept: str) -> bytes:
-    class Conn(http.client.HTTPConnection):
-        def connect(self) -> None:
-            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.sock.connect(path)
-
-    conn = Conn("localhost", timeout=30)
-    conn.request("GET", "/", headers={"Accept": accept})
-    body = conn.getresponse().read()
-    conn.close()
-    return body
-
-
 def run(requests: int, steps: int, form: str, step_ms: float, hybrid: bool = False) -> dict[str, float]:
     view = FakeView(requests, hybrid=hybrid)
-    sock = str(Path(tempfile.mkdtemp()) / "ledger.sock")
+    sock = socket_path()
     ledger = EngineLedger(view, Settings(address=f"unix://{sock}", min_interval=0.1), "0.32.0")  # type: ignore[arg-type]
-    accept = "application/vnd.kvledger.v1.columns+json" if form == "columns" else "application/json"
-    steps_per_second = 1000 / step_ms
-    replace_every = max(1, round(steps_per_second / (0.05 * requests)))  # ~5 % of requests a second
-    hooks, publishes, renders = [], [], []
-    clock = [0.0]  # engine time: each step takes step_ms, as the throttle sees it
-    ledger.throttle.clock = lambda: clock[0]
-    ledger.throttle.next_at = 0.0
-    try:
-        for i in range(steps):
-            output = view.step(1 if i % replace_every == 0 else 0)
-            publications = ledger.publications
-            t = time.thread_time()
-            ledger.after_schedule(output)
-            cost = time.thread_time() - t
-            (publishes if ledger.publications != publications else hooks).append(cost)
-            if int((i + 1) / steps_per_second) != int(i / steps_per_second):  # the daemon's poll, once a second
-                before = ledger.document.render_seconds
-                read_socket(sock, accept)
-                renders.append(ledger.document.render_seconds - before)
-            clock[0] += step_ms / 1000
-    finally:
-        ledger.close()
-    return {
-        "hooks_us": statistics.median(hooks) * 1e6 if hooks else 0.0,
-        "publish_ms": statistics.median(publishes) * 1e3 if publishes else 0.0,
-        "publishes_per_step": len(publishes) / steps,
-        "render_ms": statistics.median(renders) * 1e3 if renders else 0.0,
-    }
+    return measure(ledger, sock, requests=requests, steps=steps, form=form, step_ms=step_ms,
+                   advance=view.step, hook=ledger.after_schedule, read_timeout=30)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--step-ms", type=float, default=30.0, help="an engine step's time, for the share")
-    ap.add_argument("--form", default="columns,rows")
-    ap.add_argument("--requests", default="1000,10000", help="running requests, comma-separated")
+    ap = arguments("an engine")
     ap.add_argument("--hybrid", action="store_true", help="a pool shared by two sliding-window groups and a full one")
     args = ap.parse_args()
-    print("| requests | form read | hooks / step (no publication) | publication | publications / step | render per read "
-          "| engine-thread cost per step | share of a step |")
-    print("|---|---|---|---|---|---|---|---|")
-    for n in map(int, args.requests.split(",")):
-        for form in args.form.split(","):
-            r = run(n, args.steps, form, args.step_ms, args.hybrid)
-            per_step_ms = (r["hooks_us"] / 1000 * (1 - r["publishes_per_step"]) + r["publish_ms"] * r["publishes_per_step"]
-                           + r["render_ms"] * args.step_ms / 1000)
-            print(f"| {n:,} | {form} | {r['hooks_us']:.0f} us | {r['publish_ms']:.2f} ms | {r['publishes_per_step']:.3f} "
-                  f"| {r['render_ms']:.2f} ms | {per_step_ms * 1000:.0f} us | {per_step_ms / args.step_ms:.2%} |", flush=True)
+    print_header("engine")
+    for n, form in cases(args):
+        print_row(n, form, run(n, args.steps, form, args.step_ms, args.hybrid), args.step_ms)
 
 
 if __name__ == "__main__":

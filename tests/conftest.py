@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from hypothesis import settings
+from import_graph import parse_python
 
 # CI replays the same examples every run (a failure there is reproducible); local runs explore.
 settings.register_profile("ci", derandomize=True, print_blob=True)
@@ -19,6 +20,8 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 from fake_nvml import ENV_VAR, Inventory, build_library
+
+import kvledger.collect.sources.kinds  # noqa: F401  (every engine kind's registration, as the CLI imports it)
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +70,7 @@ def _sharing_tests(path: Path) -> frozenset[str] | None:
     fixtures, a fixture of this module scoped wider than one test; None when the module cannot
     be read or has an autouse fixture wider than a test (then all of it is one unit)."""
     try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        tree = parse_python(path.read_text(encoding="utf-8"))
     except (OSError, SyntaxError):
         return None
     fixtures: dict[str, tuple[str, list[str]]] = {}  # name: (scope, the fixtures it asks for)

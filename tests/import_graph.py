@@ -7,6 +7,23 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+#: CPython 3.11.7's AST conversion keeps its recursion depth in per-interpreter state: a
+#: thread compiling at the same moment (a first import inside a daemon thread left by an
+#: earlier test) makes ``ast.parse`` raise this SystemError (python/cpython gh-106905)
+_AST_RACE = "AST constructor recursion depth mismatch"
+
+
+def parse_python(source: str, filename: str = "<unknown>") -> ast.Module:
+    """``ast.parse``, parsed again when CPython's AST recursion check trips on another thread's
+    compile (the source itself is fine: the same text parses on the next try)."""
+    for _ in range(4):
+        try:
+            return ast.parse(source, filename)
+        except SystemError as exc:
+            if _AST_RACE not in str(exc):
+                raise
+    return ast.parse(source, filename)
+
 
 def module_name(root: Path, path: Path) -> str:
     """``kvledger.collect.merge`` for ``<root>/kvledger/collect/merge.py`` (a package is its ``__init__``)."""
@@ -47,7 +64,7 @@ def import_graph(*sources: tuple[Path, str]) -> dict[str, set[str]]:
     known = set(found)
     graph: dict[str, set[str]] = {}
     for name, path in found.items():
-        tree = ast.parse(path.read_text(), str(path))
+        tree = parse_python(path.read_text(), str(path))
         targets = _imported(tree, name, path.name == "__init__.py", known)
         graph[name] = {t for t in targets if t in known and t != name}
     return graph
@@ -57,7 +74,7 @@ def imported_packages(path: Path) -> set[str]:
     """The top-level package of every absolute import of a module (``json``, ``pathlib``,
     ``kvledger``), wherever the import is."""
     out: set[str] = set()
-    for n in ast.walk(ast.parse(path.read_text(), str(path))):
+    for n in ast.walk(parse_python(path.read_text(), str(path))):
         if isinstance(n, ast.Import):
             out.update(a.name.split(".")[0] for a in n.names)
         elif isinstance(n, ast.ImportFrom) and not n.level and n.module:
@@ -68,7 +85,7 @@ def imported_packages(path: Path) -> set[str]:
 def defined_names(path: Path) -> set[str]:
     """The public names a module defines at its top level (functions, classes, assignments)."""
     out: set[str] = set()
-    for n in ast.parse(path.read_text(), str(path)).body:
+    for n in parse_python(path.read_text(), str(path)).body:
         if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             out.add(n.name)
         elif isinstance(n, ast.Assign):
@@ -81,7 +98,7 @@ def defined_names(path: Path) -> set[str]:
 def read_names(path: Path) -> set[str]:
     """Every name a module reads: as a variable, as an attribute or in a ``from`` import."""
     out: set[str] = set()
-    for n in ast.walk(ast.parse(path.read_text(), str(path))):
+    for n in ast.walk(parse_python(path.read_text(), str(path))):
         if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Store):
             out.add(n.id)
         elif isinstance(n, ast.Attribute):
@@ -93,7 +110,7 @@ def read_names(path: Path) -> set[str]:
 
 def calls(path: Path, name: str) -> bool:
     """Whether a module calls the builtin-looking ``name`` (``open``)."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = parse_python(path.read_text(), str(path))
     return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name for n in ast.walk(tree))
 
 

@@ -11,6 +11,7 @@ import inspect
 import threading
 
 import pytest
+from import_graph import parse_python
 
 import kvledger.collect.accounting as accounting
 from kvledger.collect.accounting import AccountCache, AccountKey, EngineInputs, account_snapshot
@@ -260,7 +261,7 @@ def test_the_step_is_pure() -> None:
     source = inspect.getsource(accounting)
     imported = {
         node.module if isinstance(node, ast.ImportFrom) else alias.name
-        for node in ast.walk(ast.parse(source))
+        for node in ast.walk(parse_python(source))
         if isinstance(node, ast.Import | ast.ImportFrom)
         for alias in node.names
     }

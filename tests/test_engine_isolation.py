@@ -15,6 +15,7 @@ from kvledger.collect.collector import Collector
 from kvledger.collect.label_limits import LabelLimitError, limit_labels, shorten
 from kvledger.collect.sources.base import Contribution, EngineContribution, GpuContribution, Source
 from kvledger.config.types import LimitsConfig
+from kvledger.domain.accounts import Accounts
 from kvledger.domain.facts import Budgets, EngineFacts, GpuFacts, PoolFacts, RequestFacts, Snapshot, TenantQuota
 from kvledger.output.prometheus import check_renderable, render_text
 
@@ -229,7 +230,9 @@ def test_collector_counts_limited_labels_once_per_poll() -> None:
 def test_render_survives_a_family_that_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     import kvledger.output.prometheus as out
 
-    accounts = accounts_of(Snapshot(engines=[healthy()]))  # made (and checked) before the family breaks
+    # made before the family breaks, without the render check (the check makes an engine's
+    # lines, and a family that raises there makes the engine invalid): the scrape makes them
+    accounts = accounts_of(Snapshot(engines=[healthy()]), render_check=no_render_check)
     spec = next(s for s in out.CATALOG if s.name == "kvledger_kv_capacity_blocks")
 
     def boom(_a: object) -> list[object]:
@@ -237,6 +240,25 @@ def test_render_survives_a_family_that_raises(monkeypatch: pytest.MonkeyPatch) -
 
     broken = dataclasses.replace(spec, samples=boom)
     monkeypatch.setattr(out, "CATALOG", tuple(broken if s is spec else s for s in out.CATALOG))
+    monkeypatch.setattr(out, "_ENGINE_SPECS", tuple(broken if s is spec else s for s in out._ENGINE_SPECS))
     s = samples(render_text(accounts))
     assert ("kvledger_kv_capacity_blocks", (("engine", "good"), ("pool", "0"))) not in s
     assert s[("kvledger_kv_capacity_bytes", (("engine", "good"), ("pool", "0")))] == 1000
+
+
+def test_a_family_that_raises_in_the_render_check_makes_the_engine_invalid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The render check makes the engine's lines from the samples it checks: a family that
+    raises there fails that engine's check (it is invalid), and nothing is kept on it."""
+    import kvledger.output.prometheus as out
+
+    account = accounts_of(Snapshot(engines=[healthy()]), render_check=no_render_check).engines[0]
+    spec = next(s for s in out.CATALOG if s.name == "kvledger_tenant_requests")
+
+    def boom(_a: object) -> list[object]:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(out, "CATALOG", tuple(dataclasses.replace(spec, samples=boom) if s is spec else s
+                                              for s in out.CATALOG))
+    with pytest.raises(RuntimeError):
+        check_renderable(Accounts([account], [], [], None, [], "per-request", 0.0))
+    assert account.rendered is None

@@ -1,15 +1,16 @@
 """An engine kind is one folder and one registration (docs/adding-an-engine.md): a kind that
-exists only in a temporary folder, outside the package (its source, and its registration:
-the kind's description in the kinds table and its source class in the registry), is
-accepted by the configuration loader with its own key, built by the daemon's registry,
-polled by the collector over a real socket, and exported with the catalogue's families and
-the default rules its registration gives, while no file of the package names it."""
+exists only in a temporary folder, outside the package (its source, and its registration in
+its ``kind.py``: its source class by reference, its own keys, its rules), imported by the one
+line a kind adds to ``collect/sources/kinds.py``, is accepted by the configuration loader
+with its own key, built by the daemon's registry, polled by the collector over a real
+socket, and exported with the catalogue's families and the default rules its registration
+gives, while no file of the package names it. Every registered kind is one such line and
+its folder."""
 
 from __future__ import annotations
 
 import ast
 import http.server
-import importlib
 import sys
 import textwrap
 import threading
@@ -17,9 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from import_graph import parse_python
 
 from kvledger.collect.collector import Collector
-from kvledger.collect.sources.registry import SOURCES, build_sources
+from kvledger.collect.sources.registry import build_sources
 from kvledger.config.engine_kinds import KINDS
 from kvledger.config.loader import load_config
 from kvledger.config.types import ConfigError
@@ -29,24 +31,26 @@ from kvledger.tools.docgen import engine_kinds
 ROOT = Path(__file__).resolve().parents[1]
 KIND = "toykv"
 
-#: the whole kind: a source folder whose __init__ is its registration
+#: the whole kind: a source folder with its registration (kind.py), as collect/sources/<kind>/
 FOLDER = {
     "__init__.py": f'''
-        """The {KIND} engine kind: its registration (the one place that names it)."""
+        """The {KIND} engine kind."""
+    ''',
+    "kind.py": f'''
+        """The {KIND} engine kind's registration (the one place that names it)."""
 
-        from kvledger.collect.sources.registry import SOURCES
         from kvledger.config.engine_kinds import EngineKind, Option, register
         from kvledger_{KIND}.source import ToySource
 
         register(EngineKind(
             name="{KIND}",
+            source=ToySource,
             options=(Option("block_tokens", "tokens", "tokens per KV block"),),
             admission="reserve-cap",
             overflow="reject",
             docs="docs/engines/{KIND}.md",
             summary="a toy engine's /metrics: blocks in use of a fixed pool",
         ))
-        SOURCES["{KIND}"] = ToySource
     ''',
     "source.py": f'''
         """Reads the toy engine's /metrics: toy_blocks_total (the pool) and toy_blocks_used."""
@@ -111,18 +115,18 @@ def toy_engine() -> Iterator[str]:
 
 @pytest.fixture
 def toy_kind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """The kind's folder written outside the package and imported: its registration runs."""
+    """The kind's folder written outside the package, and the one line a kind adds to
+    collect/sources/kinds.py run: its registration runs."""
     folder = tmp_path / f"kvledger_{KIND}"
     folder.mkdir()
     for name, text in FOLDER.items():
         (folder / name).write_text(textwrap.dedent(text).lstrip())
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
-        importlib.import_module(f"kvledger_{KIND}")
+        exec(f"import kvledger_{KIND}.kind", {})  # the kind's line, as kinds.py holds one per kind
         yield KIND
     finally:
         KINDS.pop(KIND, None)
-        SOURCES.pop(KIND, None)
         for module in [m for m in sys.modules if m.split(".")[0] == f"kvledger_{KIND}"]:
             del sys.modules[module]
 
@@ -175,23 +179,42 @@ def test_no_file_of_the_package_names_the_new_kind() -> None:
 
 
 def test_every_registered_kind_has_its_source_class() -> None:
-    """The kinds table and the registry name the same kinds, each class the kind it serves."""
-    assert set(SOURCES) == set(KINDS)
-    assert {kind: getattr(cls, "kind", None) for kind, cls in SOURCES.items()} == {kind: kind for kind in KINDS}
+    """Each registration names, by reference, the source class of the kind it registers."""
+    assert {name: getattr(kind.source, "kind", None) for name, kind in KINDS.items()} == {name: name for name in KINDS}
+
+
+def test_each_kind_is_its_folder_and_one_line_of_the_kinds_list() -> None:
+    """collect/sources/kinds.py is one import per kind and nothing else: the import of the kind's
+    registration (``<folder>/kind.py``), which registers the kind of that folder and no other."""
+    sources = ROOT / "exporter" / "kvledger" / "collect" / "sources"
+    tree = parse_python((sources / "kinds.py").read_text())
+    body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    imports = [n for n in body if isinstance(n, ast.Import) and len(n.names) == 1]
+    assert len(imports) == len(body) - 1  # and ``from __future__ import annotations``
+    modules = [n.names[0].name for n in imports]
+    assert sorted(modules) == sorted(f"kvledger.collect.sources.{p.parent.name}.kind" for p in sources.glob("*/kind.py"))
+    registered_in = {}
+    for path in sources.glob("*/kind.py"):
+        names = [k.value for n in ast.walk(parse_python(path.read_text())) if isinstance(n, ast.keyword) and n.arg == "name"
+                 and isinstance(k := n.value, ast.Constant)]
+        assert len(names) == 1, path
+        registered_in[names[0]] = path.parent.name
+    assert list(registered_in.keys()) != [] and set(registered_in) == set(KINDS)
+    assert [registered_in[k] for k in KINDS] == [m.split(".")[-2] for m in modules]  # KINDS in the lines' order
+    assert all(folder == kind.replace("-", "_") for kind, folder in registered_in.items())
 
 
 def test_outside_its_folder_and_its_registration_no_module_names_a_kind() -> None:
-    """Every registered kind is named (as a string) only in its source folder, the kinds table,
-    the registry and the simulator of that engine: the loader, the merge, the policy, the
-    outputs and the web take it from the registration. ``ledger`` is left out: the word is
-    also the key of the vLLM and SGLang in-engine ledgers' address."""
+    """Every registered kind is named (as a string) only in its source folder (its registration
+    among them) and the simulator of that engine: the kinds table, the registry, the loader, the
+    merge, the policy, the outputs and the web take it from the registration. ``ledger`` is
+    left out: the word is also the key of the vLLM and SGLang in-engine ledgers' address."""
     package = ROOT / "exporter" / "kvledger"
-    registration = {package / "config" / "engine_kinds.py", package / "collect" / "sources" / "registry.py"}
     wrong = []
     for path in sorted(package.rglob("*.py")):
-        if path in registration or path.parent.name == "sim":
+        if path.parent.name == "sim":
             continue
-        named = {n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant)
+        named = {n.value for n in ast.walk(parse_python(path.read_text())) if isinstance(n, ast.Constant)
                  and isinstance(n.value, str) and n.value in KINDS and n.value != "ledger"}
         home = package / "collect" / "sources"
         wrong += [f"{path.relative_to(ROOT)} names {kind!r}" for kind in sorted(named)

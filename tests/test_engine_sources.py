@@ -15,7 +15,7 @@ import pytest
 from harness.engine_fakes import KINDS as FAKES
 from harness.engine_fakes import FakeEngine
 from kvledger.collect.sources.base import Source, SourceError
-from kvledger.collect.sources.registry import SOURCES, engine_sources
+from kvledger.collect.sources.registry import engine_sources
 from kvledger.config.engine_kinds import KINDS
 from kvledger.config.types import EngineConfig
 
@@ -43,7 +43,7 @@ def in_use(source: Source) -> int | None:
 def test_poll_maps_the_exposition_and_follows_its_changes(engine: FakeEngine) -> None:
     source = source_for(engine)
     try:
-        assert source.kind == engine.kind and type(source) is SOURCES[engine.kind]  # registered, built from the table
+        assert source.kind == engine.kind and type(source) is KINDS[engine.kind].source  # registered, built from the table
         facts = source.poll().facts  # type: ignore[attr-defined]
         assert (facts.name, facts.kind, facts.source) == (f"e-{engine.kind}", engine.kind, engine.kind)
         first = in_use(source)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from accounting_support import accounts_of, no_render_check
+from import_graph import parse_python
 
 from kvledger.collect.collector import Collector
 from kvledger.collect.sources.base import Contribution, EngineContribution, Source, SourceError
@@ -233,7 +234,7 @@ def _reasons_in_code() -> set[str]:
         return set()
 
     for path in sorted((ROOT / "exporter" / "kvledger").rglob("*.py")):
-        tree = ast.parse(path.read_text())
+        tree = parse_python(path.read_text())
         for func in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
             assigned: dict[str, set[str]] = {}
             for n in ast.walk(func):

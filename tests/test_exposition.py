@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 
+import pytest
 from accounting_support import accounts_of
 from exposition_lint import lint_exposition
 from prometheus_client.exposition import generate_latest
@@ -157,3 +158,18 @@ def test_name_lint_catches_bad_names() -> None:
     problems = "\n".join(lint_exposition(bad))
     for expected in ("not snake_case", "base units", "label 'gpuIndex'", "_total on a gauge", "_info must be a gauge equal to 1"):
         assert expected in problems
+
+
+def test_numbers_rendered_before_are_kept_up_to_a_limit_and_read_back_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The renderer keeps the text of values it wrote (capacities come back at every render): a
+    kept value renders as a fresh one does, NaN is never kept, and past MAX_LINE_ENDS it starts again."""
+    from kvledger.output import prometheus
+
+    monkeypatch.setattr(prometheus, "_LINE_ENDS", dict(prometheus._SMALL))
+    monkeypatch.setattr(prometheus, "MAX_LINE_ENDS", len(prometheus._SMALL) + 2)
+    assert [prometheus._line_end(v) for v in (2.5e9, 2.5e9, 1e300)] == ["2500000000.0\n", "2500000000.0\n", "1e+300\n"]
+    assert prometheus._LINE_ENDS[2.5e9] == "2500000000.0\n"
+    assert prometheus._line_end(float("nan")) == "NaN\n" and prometheus._line_end(float("inf")) == "+Inf\n"
+    assert len(prometheus._LINE_ENDS) == len(prometheus._SMALL) + 2  # NaN and +Inf not kept
+    assert prometheus._line_end(7.25) == "7.25\n"  # full: started again from the small numbers
+    assert set(prometheus._LINE_ENDS) - set(prometheus._SMALL) == {7.25}

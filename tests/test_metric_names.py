@@ -4,8 +4,10 @@ what the repository generates, and still read by `kvledger plan --from` from an 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,9 @@ from accounting_support import accounts_of
 from test_exposition import rich_snapshot
 
 from kvledger.config.engine_kinds import KINDS
-from kvledger.output.catalog import CATALOG, LABELS, RENAMED_FAMILIES, RENAMED_LABELS
+from kvledger.domain.accounts import Accounts, ConfigReload
+from kvledger.output.catalog import BY_NAME, CATALOG, LABELS, RENAMED_FAMILIES, RENAMED_LABELS, Sample
+from kvledger.output.prometheus import _family_lines
 from kvledger.tools.plan import parse_live
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,6 +32,45 @@ def test_every_label_name_has_one_documented_meaning() -> None:
     assert sorted(used - set(LABELS)) == []
     assert sorted(set(LABELS) - used) == []  # the vocabulary names no label the catalogue has dropped
     assert all(label.meaning for label in LABELS.values())
+
+
+def test_every_sample_names_exactly_its_familys_labels() -> None:
+    """Each extractor gives its labels by name: every sample of every family (all of them shown by
+    the rich snapshot) carries the family's label names, no other; nothing reads them by position."""
+    accounts = accounts_of(rich_snapshot())
+    accounts.invariant_totals = {("sim", "partition"): 1}
+    accounts.labels_limited = {("sim", "tenant", "dropped"): 3}
+    accounts.config_reload = ConfigReload(successful=True, success_at=1_700_000_000.0)
+    silent = []
+    for spec in CATALOG:
+        samples = list(spec.samples(accounts))
+        silent += [] if samples else [spec.name]
+        wrong = {tuple(sorted(labels)) for labels, _value in samples} - {tuple(sorted(spec.labels))}
+        assert wrong == set(), spec.name
+    assert silent == []
+
+
+def test_the_renderer_writes_labels_by_name_in_the_familys_order() -> None:
+    """A sample's names, not its order, say where its values go; a sample naming other labels than
+    its family's is refused (a bug of ours), never written under the family's names."""
+    spec = BY_NAME["kvledger_kv_headroom_bytes"]  # engine, pool, view, basis
+    accounts = accounts_of(rich_snapshot())
+
+    def reordered(a: Accounts) -> Iterator[Sample]:
+        for labels, value in spec.samples(a):
+            yield dict(reversed(labels.items())), value
+
+    assert _family_lines(dataclasses.replace(spec, samples=reordered), accounts, check=True) == \
+        _family_lines(spec, accounts, check=True)
+    line = _family_lines(spec, accounts, check=True).splitlines()[0]
+    assert re.match(r'kvledger_kv_headroom_bytes\{engine="[^"]*",pool="[^"]*",view="(quota|physical)",basis="\w+"\} ', line)
+    good = {"engine": "e", "pool": "0", "view": "quota", "basis": "exact"}  # its prefix is kept from here on:
+    _family_lines(dataclasses.replace(spec, samples=lambda a: iter([(good, 1.0)])), accounts, check=True)
+    for bad in ({"engine": "e", "pool": "0", "view": "quota", "basis": "exact", "kind": "quota"},  # one name too many
+                {"engine": "e", "pool": "0", "basis": "exact", "kind": "quota"}):  # view under another name
+        wrong = dataclasses.replace(spec, samples=lambda a, labels=bad: iter([(labels, 1.0)]))
+        with pytest.raises((ValueError, KeyError)):
+            _family_lines(wrong, accounts, check=True)
 
 
 def test_label_values_stay_within_their_one_meaning() -> None:

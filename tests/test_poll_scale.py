@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import threading
 import time
@@ -313,6 +314,42 @@ def test_engine_families_are_each_engines_lines_made_once() -> None:
     assert out.render_openmetrics(accounts).startswith(b"# HELP")
     assert [e.rendered for e in accounts.engines] == kept and all(
         a is b for a, b in zip([e.rendered for e in accounts.engines], kept, strict=True))
+
+
+def test_an_engines_lines_are_the_same_made_by_the_render_check_or_by_a_scrape() -> None:
+    """An engine's lines are made by the render check, in its pass over the samples it checks
+    (so that a scrape of a fleet whose every engine changed joins lines, docs/performance.md),
+    or else by the first scrape that shows the engine: the same bytes either way, and the same
+    as rendering every family whole; an account the check refuses keeps none."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from accounting_support import no_render_check
+    from workload import scrape_snapshot
+
+    from kvledger.collect.accounting import AccountCache, account_snapshot
+    from kvledger.config.types import LimitsConfig
+    from kvledger.output import prometheus as out
+    from kvledger.output.catalog import CATALOG
+
+    def compute_accounts(check: Any) -> Any:
+        snapshot = scrape_snapshot(engines=6, gpus=2, tenants=3, requests=60, blocks=10_000)
+        return account_snapshot(snapshot, {}, LimitsConfig(), AccountCache(), check).accounts
+
+    checked = compute_accounts(out.check_renderable)
+    assert all(e.rendered is not None for e in checked.engines)  # made by the check, before any scrape
+    unchecked = compute_accounts(no_render_check)
+    assert all(e.rendered is None for e in unchecked.engines)
+    whole = compute_accounts(no_render_check)
+    old_way = "".join(out._HEADERS[spec.name] + out._family_lines(spec, whole, check=False) for spec in CATALOG).encode()
+    assert b'kvledger_kv_capacity_bytes{engine="' in old_way and len(whole.engines) == 6
+    assert out.render_text(checked) == old_way
+    assert out.render_text(unchecked) == old_way
+    assert out.render_openmetrics(checked) == out.render_openmetrics(unchecked)
+    # a second check of an account whose lines are made leaves them as they are
+    lines = checked.engines[0].rendered
+    out.check_renderable(dataclasses.replace(checked, engines=[checked.engines[0]]))
+    assert checked.engines[0].rendered is lines
 
 
 class Same(Source):

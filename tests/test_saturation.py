@@ -18,8 +18,16 @@ from kvledger_engine.reference_ledger import Ledger, PoolSpec
 B = 16
 
 
-def samples(snapshot: Snapshot, name: str) -> dict[tuple[str, ...], float]:
-    return dict(BY_NAME[name].samples(accounts_of(snapshot)))
+Series = frozenset[tuple[str, str]]
+
+
+def series(**labels: str) -> Series:
+    """A series by its labels' names and values."""
+    return frozenset(labels.items())
+
+
+def samples(snapshot: Snapshot, name: str) -> dict[Series, float]:
+    return {series(**labels): value for labels, value in BY_NAME[name].samples(accounts_of(snapshot))}
 
 
 def ledger_engine(ledger: Ledger, name: str = "e") -> EngineFacts:
@@ -101,11 +109,12 @@ def test_an_engine_at_max_num_seqs_is_bound_by_sequences_with_kv_at_thirty_perce
     in_use = sum(len(ledger.request_blocks(f"r{i}")) for i in range(seqs))
     assert in_use == 32
     got = samples(Snapshot(engines=[ledger_engine(ledger)]), "kvledger_saturation_ratio")
-    assert got[("e", "", "sequences", "exact")] == 1.0
-    assert got[("e", "0", "kv_physical", "exact")] == in_use / 100
-    assert got[("e", "", "token_budget", "exact")] == seqs / 2048
+    assert got[series(engine="e", pool="", constraint="sequences", basis="exact")] == 1.0
+    assert got[series(engine="e", pool="0", constraint="kv_physical", basis="exact")] == in_use / 100
+    assert got[series(engine="e", pool="", constraint="token_budget", basis="exact")] == seqs / 2048
     binding = samples(Snapshot(engines=[ledger_engine(ledger)]), "kvledger_saturation_binding")
-    assert binding == {("e", "kv_physical"): 0.0, ("e", "sequences"): 1.0, ("e", "token_budget"): 0.0}
+    assert binding == {series(engine="e", constraint="kv_physical"): 0.0, series(engine="e", constraint="sequences"): 1.0,
+                       series(engine="e", constraint="token_budget"): 0.0}
 
 
 def test_a_reserve_cap_engine_full_of_reservations_is_bound_by_its_quota() -> None:
@@ -116,12 +125,12 @@ def test_a_reserve_cap_engine_full_of_reservations_is_bound_by_its_quota() -> No
         admitted += 1
     assert admitted == 5  # 5 x 20 = 100 blocks: the quota is full while 5 blocks hold data
     got = samples(Snapshot(engines=[ledger_engine(ledger)]), "kvledger_saturation_ratio")
-    assert got[("e", "0", "kv_quota", "exact")] == 1.0
-    assert got[("e", "0", "kv_physical", "exact")] == 0.05
-    assert got[("e", "", "sequences", "exact")] == admitted / 64
-    assert ("e", "", "token_budget", "exact") not in got  # no budget stated: absent, never 0
+    assert got[series(engine="e", pool="0", constraint="kv_quota", basis="exact")] == 1.0
+    assert got[series(engine="e", pool="0", constraint="kv_physical", basis="exact")] == 0.05
+    assert got[series(engine="e", pool="", constraint="sequences", basis="exact")] == admitted / 64
+    assert series(engine="e", pool="", constraint="token_budget", basis="exact") not in got  # no budget stated: absent, never 0
     binding = samples(Snapshot(engines=[ledger_engine(ledger)]), "kvledger_saturation_binding")
-    assert binding == {("e", "kv_quota"): 1.0, ("e", "sequences"): 0.0}
+    assert binding == {series(engine="e", constraint="kv_quota"): 1.0, series(engine="e", constraint="sequences"): 0.0}
 
 
 def test_unknown_inputs_leave_the_ratios_and_the_binding_absent() -> None:
@@ -144,6 +153,6 @@ def test_preempted_tokens_count_what_each_preemption_threw_away() -> None:
     ledger.preempt("a")  # its recomputed tokens are thrown away again
     thrown["0"] += 60
     got = samples(Snapshot(engines=[ledger_engine(ledger)]), "kvledger_preempted_tokens_total")
-    assert got == {("e", "0"): thrown["0"], ("e", "1"): thrown["1"]}
+    assert got == {series(engine="e", pool="0"): thrown["0"], series(engine="e", pool="1"): thrown["1"]}
     bare = EngineFacts(name="x", kind="vllm", source="vllm", pools=[PoolFacts("0", 16, 100)])
     assert samples(Snapshot(engines=[bare]), "kvledger_preempted_tokens_total") == {}

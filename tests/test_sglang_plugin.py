@@ -14,13 +14,11 @@ import json
 import logging
 import os
 import random
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -31,9 +29,10 @@ from fake_sglang import ROOT as FAKE_ROOT
 from fake_sglang import installed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from plugin_support import fetch, plugin_environment
+from plugin_support import short_dir as short_dir_in_tmp
 
 from kvledger.collect.sources.document import parse_document
-from kvledger.collect.sources.http_client import HttpClient
 from kvledger.domain.accounts import EngineAccount
 from kvledger.domain.facts import EngineFacts, Snapshot
 from kvledger.protocol.reader import schema_errors
@@ -44,32 +43,13 @@ ENV_VARS = (ENV_LEDGER, ENV_TENANT, ENV_INTERVAL, ENV_UNTESTED, "SGLANG_PLUGINS"
 LOGGER = "sglang.kvledger"
 
 
-@contextmanager
-def environment(**values: str | None) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in ENV_VARS}
-    try:
-        for k in ENV_VARS:
-            os.environ.pop(k, None)
-        for k, v in values.items():
-            if v is not None:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def environment(**values: str | None) -> AbstractContextManager[None]:
+    """The plugin's variables set to ``values`` (others unset), restored afterwards."""
+    return plugin_environment(ENV_VARS, **values)
 
 
-@contextmanager
-def short_dir() -> Iterator[Path]:
-    """A directory for Unix sockets (pytest's tmp_path can exceed the 107-byte limit)."""
-    path = Path(tempfile.mkdtemp(prefix="kvs-", dir="/tmp"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+def short_dir() -> AbstractContextManager[Path]:
+    return short_dir_in_tmp("kvs-")
 
 
 @pytest.fixture
@@ -93,7 +73,7 @@ def engine(address: str | None, **kwargs: Any) -> Iterator[tuple[ModuleType, Any
 
 
 def served(scheduler: Any) -> EngineFacts:
-    body = HttpClient(scheduler._kvledger.url, timeout=5.0, accept="application/json").get()
+    body = fetch(scheduler._kvledger.url)
     assert not schema_errors(json.loads(body))
     return parse_document(body, "test", "e")
 
@@ -149,8 +129,8 @@ def test_nothing_of_the_ledger_is_imported_without_the_setting() -> None:
     """)
     env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60, check=True)
-    assert json.loads(done.stdout.replace("'", '"')) == ["kvledger_engine", "kvledger_engine.sglang", "kvledger_engine.sglang.plugin",
-                                                         "kvledger_engine.sglang.settings"]
+    assert json.loads(done.stdout.replace("'", '"')) == ["kvledger_engine", "kvledger_engine.plugin_settings", "kvledger_engine.sglang",
+                                                         "kvledger_engine.sglang.plugin", "kvledger_engine.sglang.settings"]
 
 
 def test_the_plugin_serves_an_idle_scheduler(sock_dir: Path) -> None:

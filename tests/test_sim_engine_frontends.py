@@ -11,7 +11,7 @@ import pytest
 from accounting_support import accounts_of
 
 from kvledger.collect.merge import configured_facts, merge
-from kvledger.collect.sources.registry import SOURCES
+from kvledger.collect.sources.registry import kind_source
 from kvledger.config.engine_kinds import KINDS
 from kvledger.domain.accounts import EngineAccount
 from kvledger.domain.facts import Snapshot
@@ -27,7 +27,7 @@ def stock(request: pytest.FixtureRequest) -> Iterator[tuple[SimEngine, object, o
     engine = SimEngine(PROFILES[request.param], seed=11, pid=4242)  # stepped by hand: frozen between reads
     frontend = FRONTENDS[request.param](engine).start()
     cfg = exposition_engine_config(engine, frontend)
-    source = SOURCES[cfg.kind](cfg)
+    source = kind_source(cfg)
     try:
         yield engine, cfg, source
     finally:
@@ -94,7 +94,7 @@ def test_sglang_host_tier_counts_evictions_and_load_backs() -> None:
     engine = SimEngine(PROFILES["sglang"], seed=5)
     frontend = FRONTENDS["sglang"](engine).start()
     cfg = exposition_engine_config(engine, frontend)
-    source = SOURCES[cfg.kind](cfg)
+    source = kind_source(cfg)
     try:
         for _ in range(400):
             engine.step()

@@ -80,6 +80,7 @@ def test_ruff_passes() -> None:
         (facts.OUTPUT_BOUNDS, facts.OutputBound),
         (facts.TERM_SOURCES, facts.TermSource),
         (facts.LIMIT_KINDS, facts.LimitKind),
+        (facts.GROUP_HOLDINGS, facts.GroupHolding),
         (facts.NVML_ENABLED, facts.NvmlEnabled),
     ],
 )

@@ -16,15 +16,13 @@ import itertools
 import json
 import logging
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -36,10 +34,11 @@ from fake_vllm import ROOT as FAKE_VLLM_ROOT
 from fake_vllm import installed
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from plugin_support import fetch, plugin_environment
+from plugin_support import short_dir as short_dir_in_tmp
 
 from kvledger.collect.sources.base import SourceError, SubsourceReport
 from kvledger.collect.sources.document import parse_document
-from kvledger.collect.sources.http_client import HttpClient
 from kvledger.collect.sources.vllm.engine_documents import merge_rank_facts
 from kvledger.collect.sources.vllm.metrics import vllm_facts_from_metrics
 from kvledger.collect.sources.vllm.source import HAND_OVER_SECONDS, VllmSource, part_timeout
@@ -63,33 +62,13 @@ REPO = Path(__file__).resolve().parent.parent
 # ---------------------------------------------------------------- fixtures and helpers
 
 
-@contextmanager
-def environment(**values: str | None) -> Iterator[None]:
+def environment(**values: str | None) -> AbstractContextManager[None]:
     """The integration's variables set to ``values`` (others unset), restored afterwards."""
-    saved = {k: os.environ.get(k) for k in ENV_VARS}
-    try:
-        for k in ENV_VARS:
-            os.environ.pop(k, None)
-        for k, v in values.items():
-            if v is not None:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return plugin_environment(ENV_VARS, **values)
 
 
-@contextmanager
-def short_dir() -> Iterator[Path]:
-    """A directory for Unix sockets (pytest's tmp_path can exceed the 107-byte path limit)."""
-    path = Path(tempfile.mkdtemp(prefix="kvl-", dir="/tmp"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+def short_dir() -> AbstractContextManager[Path]:
+    return short_dir_in_tmp("kvl-")
 
 
 @pytest.fixture
@@ -122,10 +101,6 @@ def ledger_engine(driver: ModuleType, address: str, spec: Any = None, **env: str
         ledger = getattr(scheduler, "_kvledger", None)
         if ledger is not None:
             ledger.close()
-
-
-def fetch(url: str) -> bytes:
-    return HttpClient(url, timeout=5.0, accept="application/json").get()
 
 
 def served(scheduler: Any) -> tuple[dict[str, Any], Any]:

@@ -2,7 +2,9 @@
 library's, and one writer, built from the one request definition, writes every producer's
 requests.
 
-- A new request field is one entry: the test copies the engine-side distribution, adds one
+- A new request field is one entry, and so is a new KV-cache group kind (its word and how
+  it holds blocks, in ``wire_terms.GROUPS``).
+- A new request field: the test copies the engine-side distribution, adds one
   line to ``request_wire.REQUEST_FIELDS`` and, in a fresh interpreter, shows that the
   writer writes it in both forms and that both of the daemon's readers (the typed decoder
   and the checked reader) read it and name it when its value is wrong, with nothing else
@@ -82,6 +84,85 @@ def test_a_new_request_field_is_one_entry(tmp_path: Path) -> None:
     assert out["requests"] == [[7, 0], [7, 0]]
     assert out["request_columns"] == [[7, 0], [7, 0]]
     assert out["error"].startswith("requests[0].draft_tokens:"), out["error"]
+
+
+_ONE_GROUP_KIND = '    "local_window": "window",\n'
+
+_GROUP_PROBE = textwrap.dedent('''
+    import json
+    from kvledger.collect.accounting import AccountCache, account_snapshot
+    from kvledger.config.types import LimitsConfig
+    from kvledger.domain.facts import GROUP_KINDS, Snapshot
+    from kvledger.output.catalog import LABELS
+    from kvledger.output.prometheus import check_renderable, render_text
+    from kvledger.policy.reservations import group_shape
+    from kvledger.protocol import reader
+
+    assert "local_window" in GROUP_KINDS, "the daemon's group kinds are the engine's"
+
+    def document(kind, **group):
+        return {"schema": "kvledger/v1", "engine": {"kind": "probe"},
+                "pools": [{"id": "0", "block_size": 16, "block_bytes": 1024, "num_blocks": 1000,
+                           "groups": [{"id": "0", "kind": "full_attention"}, dict(id="1", kind=kind, **group)]}],
+                "requests": [{"id": "a", "state": "running", "prompt_tokens": 1000, "max_output_tokens": 24}]}
+
+    def samples(kind):
+        body = json.dumps(document(kind, window=64))
+        typed, checked = reader.typed_facts(body, "e"), reader.facts_from_document(json.loads(body), "e")
+        assert typed is not None and typed.pools[0].groups == checked.pools[0].groups, kind
+        step = account_snapshot(Snapshot(engines=[checked]), {}, LimitsConfig(), AccountCache(), check_renderable)
+        assert not step.invalid, step.invalid
+        text = render_text(step.accounts).decode()
+        return {"shape": repr(group_shape(checked.pools[0].groups[1])),
+                "lines": sorted(ln for ln in text.splitlines() if ln.startswith("kvledger_kv_group"))}
+
+    out = {kind: samples(kind) for kind in ("local_window", "sliding_window", "full_attention")}
+    out["vocabulary"] = sorted(LABELS["layer_type"].values or ())
+    try:
+        reader.facts_from_document(document("local_window"), "e")
+    except reader.ProtocolError as exc:
+        out["error"] = str(exc)
+    print(json.dumps(out))
+''')
+
+
+def test_a_new_group_kind_is_one_entry(tmp_path: Path) -> None:
+    """A new KV-cache group kind is one entry in ``wire_terms.GROUPS``: its word and how it holds
+    blocks (here a window, as a sliding window does). In a fresh interpreter over a copy of the
+    engine-side distribution with that one line added, both readers read it (and require its
+    window), the policy reserves for it by its holding's formula, and the accounts, the label
+    vocabulary and the exposition carry it, with nothing else changed. (The published schema,
+    the contract, is held to the wire terms by test_the_schema_spells_the_wire_terms, as it is
+    to a new request field by tests/test_protocol.py.)"""
+    copy = tmp_path / "kvledger_engine"
+    shutil.copytree(ENGINE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    source = (copy / "wire_terms.py").read_text()
+    anchor = '    MAMBA: "state",\n}'
+    assert source.count(anchor) == 1
+    (copy / "wire_terms.py").write_text(source.replace(anchor, _ONE_GROUP_KIND + anchor))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT / "exporter")]))
+    done = subprocess.run([sys.executable, "-c", _GROUP_PROBE], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    new, window, full = out["local_window"], out["sliding_window"], out["full_attention"]
+    assert new["shape"] == window["shape"] != full["shape"]
+    assert any('layer_type="local_window",window_tokens="64"} 1.0' in ln for ln in new["lines"]), new["lines"]
+    # the same figures as a sliding window of the same span, under its own name; not full attention's
+    assert new["lines"] == sorted(ln.replace('"sliding_window"', '"local_window"') for ln in window["lines"])
+    reserved = [ln for ln in new["lines"] if ln.startswith("kvledger_kv_group_reserved_blocks") and 'group="1"' in ln]
+    assert reserved and not set(reserved) & set(full["lines"])
+    assert "local_window" in out["vocabulary"]
+    assert out["error"].startswith("pools[0].groups[1].window:"), out["error"]
+
+
+def test_every_group_holding_has_its_formula() -> None:
+    """Each way a group kind may hold blocks has its reservation formula in policy/, and every
+    group kind one of those ways."""
+    from kvledger.policy.reservations import GROUP_SHAPES
+    from kvledger_engine.wire_terms import GROUP_HOLDINGS, GROUPS
+
+    assert tuple(GROUP_SHAPES) == GROUP_HOLDINGS
+    assert set(GROUPS.values()) <= set(GROUP_HOLDINGS)
 
 
 def test_the_daemon_reads_the_engines_definition() -> None:

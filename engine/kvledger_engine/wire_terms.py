@@ -28,14 +28,31 @@ OUTPUT_BOUNDS: tuple[OutputBound, ...] = ("cap", "estimate")
 BUDGET_CATEGORIES: tuple[str, ...] = ("weights", "workspace", "runtime_buffers", "reserve", "kv_pool")
 TERM_SOURCES: tuple[TermSource, ...] = ("measured", "configured", "estimate")
 LIMIT_KINDS: tuple[LimitKind, ...] = ("hard", "estimate")
+#: how a KV-cache group holds blocks, which decides its reservation (the daemon's
+#: ``policy.reservations``, one formula each): ``tokens``, a block per block_size tokens of
+#: the context (every block); ``window``, at most the blocks its ``window`` of tokens spans;
+#: ``state``, ``state_blocks`` per context whatever its length
+GroupHolding = Literal["tokens", "window", "state"]
+GROUP_HOLDINGS: tuple[GroupHolding, ...] = ("tokens", "window", "state")
 #: the layer types of a KV-cache group sharing a pool (vLLM's KV-cache specs, by what they hold)
 FULL_ATTENTION = "full_attention"
 SLIDING_WINDOW = "sliding_window"
 CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
 MAMBA = "mamba"
-GROUP_KINDS: tuple[str, ...] = (FULL_ATTENTION, SLIDING_WINDOW, CHUNKED_LOCAL_ATTENTION, MAMBA)
-#: the group kinds that hold a span of tokens (a group's ``window``) rather than every block
-WINDOW_GROUP_KINDS: tuple[str, ...] = (SLIDING_WINDOW, CHUNKED_LOCAL_ATTENTION)
+#: every group kind and how it holds blocks: a new group kind is one entry here (the reader,
+#: the policy, the label vocabulary and the exposition take it from this table;
+#: tests/test_wire_once.py adds one)
+GROUPS: dict[str, GroupHolding] = {
+    FULL_ATTENTION: "tokens",
+    SLIDING_WINDOW: "window",
+    CHUNKED_LOCAL_ATTENTION: "window",
+    MAMBA: "state",
+}
+GROUP_KINDS: tuple[str, ...] = tuple(GROUPS)
+#: the group kinds that hold a span of tokens (a group's ``window``, required) rather than every block
+WINDOW_GROUP_KINDS: tuple[str, ...] = tuple(k for k, holding in GROUPS.items() if holding == "window")
+#: the group kinds that hold a state per context (a group's ``state_blocks``, default 1)
+STATE_GROUP_KINDS: tuple[str, ...] = tuple(k for k, holding in GROUPS.items() if holding == "state")
 COUNTER_NAMES: tuple[str, ...] = (
     "preemptions",
     "reservation_overflows",

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, TextIO
 
+import kvledger.collect.sources.kinds  # noqa: F401  (every engine kind's registration: before any configuration is read)
 from kvledger import __version__, version_text
 from kvledger.collect.collector import Collector
 from kvledger.collect.memory import limit_malloc_arenas

@@ -317,7 +317,13 @@ def test_a_sleeping_server_is_not_woken_by_the_daemon(setup: Setup) -> None:
     s = until(setup.daemon, lambda s: s.get("kvledger_kv_capacity_blocks", engine="llama-sleepy", pool=POOL) is None,
               "no pool while asleep")
     assert s.get("kvledger_source_up", engine="llama-sleepy", source="llamacpp") == 1
-    time.sleep(10 * INTERVAL)  # the daemon keeps polling /props and /metrics
+    polls: set[float | None] = set()  # the daemon's successful polls of the sleeping server, by their time
+
+    def ten_more_polls(scrape: Scrape) -> bool:
+        polls.add(scrape.get("kvledger_source_last_success_timestamp_seconds", engine="llama-sleepy", source="llamacpp"))
+        return len(polls) > 10
+
+    until(setup.daemon, ten_more_polls, "ten more polls of the sleeping server (/props and /metrics)", timeout=60)
     assert server.get_json("/props")["is_sleeping"] is True  # ... and never GET /slots, which would wake it
     assert s.get("kvledger_requests", engine="llama-sleepy", state="running") == 0
 

@@ -26,11 +26,9 @@ Facts this harness relies on (docs/engines/sglang.md, "The real-engine suite"):
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -44,6 +42,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from harness.engine_server import EngineServer, EngineStartError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -87,7 +87,7 @@ def disabled_model_modules(keep: Sequence[str] = MODEL_MODULES) -> list[str]:
     return [name for name in found if name not in keep and name != "__init__"]
 
 
-class SglangStartError(RuntimeError):
+class SglangStartError(EngineStartError):
     """The SGLang server did not become healthy; the message ends with its log tail."""
 
 
@@ -236,9 +236,15 @@ class Burst:
         return [r for r in self.results if r is not None]
 
 
-class SglangServer:
+class SglangServer(EngineServer):
     """A real SGLang server on this machine, as a subprocess of the SGLang venv, in its own
     process group (``stop()`` ends the scheduler and detokenizer too)."""
+
+    ENGINE = "SGLang"
+    START_ERROR = SglangStartError
+    WORK_PREFIX = "kvledger-sglang-"
+    LOG_NAME = "sglang.log"
+    HEALTH_PROBE_TIMEOUT = 5.0
 
     def __init__(
         self,
@@ -256,49 +262,24 @@ class SglangServer:
         host: str = "127.0.0.1",
         venv: str | os.PathLike[str] | None = None,
     ) -> None:
+        super().__init__(port, host=host, startup_timeout=startup_timeout, log_path=log_path, extra_env=extra_env)
         self.model_dir = Path(model_dir)
         # the venv the server runs in: the shared SGLang venv, or a per-checkout one layered on
         # it (kvledger_venv: this checkout's kvledger-engine beside SGLang)
         self.venv = Path(venv) if venv is not None else None
         self.ledger_url: str | None = None  # kvledger's plugin's address, when the server runs it
-        self.port = port
-        self.host = host
         self.max_total_tokens = max_total_tokens
         self.decode_log_interval = decode_log_interval  # None: SGLang's default (40)
         self.extra_args = tuple(extra_args)
-        self.extra_env = dict(extra_env or {})
-        self.startup_timeout = startup_timeout
-        self._work_dir = Path(tempfile.mkdtemp(prefix="kvledger-sglang-"))
         self.recount_socket: Path | None = self._work_dir / "recount.sock" if recount else None
         # the plugins of sglang.srt.plugins this server loads (SGLANG_PLUGINS): the recount, and
         # whatever a test adds (e.g. kvledger's own SGLang plugin)
         self.plugins = tuple(plugins) + ((RECOUNT_PLUGIN,) if recount else ())
-        self.log_path = Path(log_path) if log_path else self._work_dir / "sglang.log"
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log_file: Any = None
-        self.start_history: list[float] = []  # seconds to healthy, one per start()
-        atexit.register(self.close)
 
     # -- addresses ---------------------------------------------------------------
     @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"{self.base_url}/metrics"
-
-    @property
     def server_info_url(self) -> str:
         return f"{self.base_url}/get_server_info"
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc else None
-
-    @property
-    def work_dir(self) -> Path:
-        return self._work_dir
 
     def command(self) -> list[str]:
         interval = () if self.decode_log_interval is None else ("--decode-log-interval", str(self.decode_log_interval))
@@ -333,83 +314,8 @@ class SglangServer:
         env.update(self.extra_env)
         return env
 
-    # -- lifecycle -----------------------------------------------------------------
-    def start(self) -> float:
-        """Start the server and wait for GET /health 200; return the seconds it took."""
-        if self.running:
-            raise RuntimeError(f"SGLang server already running (pid {self.pid})")
-        if not sglang_python().exists():
-            raise SglangStartError(f"no SGLang venv at {sglang_venv()}: run tests/sglang_real/setup_env.sh")
-        log = open(self.log_path, "ab")
-        log.write(f"\n==== start {time.strftime('%H:%M:%S')}: {self.command()}\n".encode())
-        log.flush()
-        self._log_file = log
-        began = time.monotonic()
-        self._proc = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=self.environment(), cwd=self._work_dir, process_group=0,
-        )
-        try:
-            self._wait_healthy(began)
-        except BaseException:
-            self.stop()
-            raise
-        took = time.monotonic() - began
-        self.start_history.append(took)
-        return took
-
-    def _wait_healthy(self, began: float) -> None:
-        assert self._proc is not None
-        deadline = began + self.startup_timeout
-        while True:
-            code = self._proc.poll()
-            if code is not None:
-                raise SglangStartError(f"SGLang exited with code {code} before it was healthy\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass  # not listening (or not ready) yet
-            if time.monotonic() > deadline:
-                raise SglangStartError(f"SGLang not healthy after {self.startup_timeout:.0f} s\n{self.log_tail()}")
-            time.sleep(0.5)
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def stop(self, grace: float = 30.0) -> None:
-        """SIGTERM the server's process group, SIGKILL whatever is left after ``grace``."""
-        proc = self._proc
-        if proc is not None:
-            pgid = proc.pid
-            _signal_group(pgid, signal.SIGTERM)
-            try:
-                proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                _signal_group(pgid, signal.SIGKILL)
-                proc.wait(10)
-            _signal_group(pgid, signal.SIGKILL)  # the scheduler and detokenizer share the group
-            self._proc = None
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
-
-    def close(self) -> None:
-        """Stop the server and remove its temporary directory (the log too, unless given)."""
-        self.stop()
-        shutil.rmtree(self._work_dir, ignore_errors=True)
-        atexit.unregister(self.close)
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def log_tail(self, lines: int = 60) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:]) or "(no log)"
+    def missing_env(self) -> str | None:
+        return None if sglang_python().exists() else f"no SGLang venv at {sglang_venv()}: run tests/sglang_real/setup_env.sh"
 
     # -- reading ---------------------------------------------------------------
     def metrics_text(self) -> str:
@@ -533,9 +439,3 @@ class SglangServer:
             t.start()
         return burst
 
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass

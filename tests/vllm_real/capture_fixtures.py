@@ -1,7 +1,7 @@
 """Capture fresh real-vLLM fixtures into tests/fixtures/vllm/ (the one copy the tests read).
 
     tests/vllm_real/setup_env.sh
-    PYTHONPATH=exporter .venv/bin/python -m tests.vllm_real.capture_fixtures
+    PYTHONPATH=exporter:tests .venv/bin/python -m tests.vllm_real.capture_fixtures
 
 Starts one tiny-model server, sends a burst that preempts and evicts, resets the prefix
 cache, sends a second burst, waits until idle, and writes:
@@ -24,7 +24,6 @@ import argparse
 import json
 import subprocess
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -63,7 +62,7 @@ def capture(out_dir: Path) -> dict[str, object]:
         model = make_tiny_model(Path(tmp) / "tiny-llama")
         server = VllmServer(model, free_tcp_port(), free_tcp_port(), free_tcp_port())
         with server, KvEventSubscriber(server.events_url) as sub:
-            time.sleep(0.5)  # let the SUB connection settle before the first event
+            sub.wait_joined()  # ZMQ drops what is published before a subscriber has joined
             steps: list[str] = []
             for i, burst in enumerate(BURSTS):
                 if i:

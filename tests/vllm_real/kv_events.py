@@ -21,6 +21,7 @@ from typing import Any
 
 import msgpack
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 END_SEQ = -1
 
@@ -66,6 +67,10 @@ class KvEventSubscriber:
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        # the connection's handshake, reported by ZMQ: the subscription goes out with it
+        # (a PUB drops what it sends before a subscriber has joined)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self._joined = threading.Event()
         self._sock.connect(url)
         self._lock = threading.Lock()
         self._batches: list[EventBatch] = []
@@ -74,11 +79,23 @@ class KvEventSubscriber:
         self._thread = threading.Thread(target=self._run, name="kv-event-sub", daemon=True)
         self._thread.start()
 
+    def wait_joined(self, timeout: float = 30.0) -> None:
+        """Wait until the SUB connection to the publisher has completed its handshake (ZMQ's
+        monitor event), so that what the publisher sends from then on reaches it; the timeout
+        only bounds a failure (no publisher listening)."""
+        if not self._joined.wait(timeout):
+            raise TimeoutError(f"KV events from {self.url}: no connection to the publisher after {timeout} s")
+
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(100):
+            ready = dict(poller.poll(100))
+            if self._monitor in ready:
+                if recv_monitor_message(self._monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._joined.set()
+            if self._sock not in ready:
                 continue
             frames = self._sock.recv_multipart()
             try:
@@ -134,6 +151,8 @@ class KvEventSubscriber:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
+        self._sock.disable_monitor()
+        self._monitor.close(0)
         self._sock.close(0)
 
     def __enter__(self) -> KvEventSubscriber:

@@ -10,15 +10,11 @@ separate venv made by ``tests/vllm_real/setup_env.sh``, never inside the test pr
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import random
-import shutil
-import signal
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 import urllib.error
@@ -26,6 +22,8 @@ import urllib.request
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from harness.engine_server import EngineServer, EngineStartError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -52,13 +50,14 @@ SERVE_FLAGS: tuple[str, ...] = (
     "--kv-cache-memory-bytes", str(KV_CACHE_MEMORY_BYTES),
     "--enforce-eager",
     "--served-model-name", SERVED_MODEL_NAME,
+    "--enable-server-load-tracking",  # GET /load: the requests the API server holds (wait_api_holds)
 )  # fmt: skip
 # with the in-engine ledger on: kvledger's tenant middleware (an X-Tenant header becomes the
 # ledger's tenant)
 LEDGER_FLAGS: tuple[str, ...] = ("--middleware", "kvledger_engine.vllm.tenant_header.TenantHeader")
 
 
-class VllmStartError(RuntimeError):
+class VllmStartError(EngineStartError):
     """The vLLM server did not become healthy; the message ends with its log tail."""
 
 
@@ -255,13 +254,19 @@ def run_burst(
     return BurstResult([r for r in results if r is not None], samples)
 
 
-class VllmServer:
+class VllmServer(EngineServer):
     """A real vLLM OpenAI server on this machine, as a subprocess of the vLLM venv.
 
     KV events are published on ``tcp://*:kv_events_port`` (topic ``kv-events``), replay is
     served on ``tcp://*:replay_port``. The whole process group is stopped on ``stop()``,
     on leaving the ``with`` block and at interpreter exit.
     """
+
+    ENGINE = "vLLM"
+    START_ERROR = VllmStartError
+    WORK_PREFIX = "kvledger-vllm-"
+    LOG_NAME = "vllm.log"
+    HEALTH_PROBE_TIMEOUT = 2.0
 
     def __init__(
         self,
@@ -277,38 +282,16 @@ class VllmServer:
         ledger: bool = True,
         extra_env: dict[str, str] | None = None,
     ) -> None:
+        super().__init__(port, host=host, startup_timeout=startup_timeout, log_path=log_path, extra_env=extra_env)
         self.model_dir = Path(model_dir)
-        self.extra_env = dict(extra_env or {})  # e.g. a test-only plugin on PYTHONPATH
-        self.port = port
         self.kv_events_port = kv_events_port
         self.replay_port = replay_port
         self.extra_args = tuple(extra_args)
-        self.startup_timeout = startup_timeout
-        self.host = host
-        self._work_dir = Path(tempfile.mkdtemp(prefix="kvledger-vllm-"))
         # the in-engine ledger (kvledger's vLLM plugin): on unless a test turns it off
         self.ledger = ledger
         self.ledger_socket = self._work_dir / "ledger.sock"
-        self.log_path = Path(log_path) if log_path else self._work_dir / "vllm.log"
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log_file: object | None = None
-        self.last_start_seconds: float | None = None
-        self.start_history: list[float] = []  # seconds to healthy, one per start()
-        atexit.register(self.close)
 
     # -- addresses -------------------------------------------------------------
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"{self.base_url}/metrics"
-
-    @property
-    def health_url(self) -> str:
-        return f"{self.base_url}/health"
-
     @property
     def events_url(self) -> str:
         return f"tcp://127.0.0.1:{self.kv_events_port}"
@@ -320,10 +303,6 @@ class VllmServer:
     @property
     def model_name(self) -> str:
         return SERVED_MODEL_NAME
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc else None
 
     def kv_events_config(self) -> dict[str, object]:
         return {
@@ -370,114 +349,8 @@ class VllmServer:
     def ledger_url(self) -> str:
         return f"unix://{self.ledger_socket}"
 
-    # -- lifecycle ---------------------------------------------------------------
-    def start(self) -> float:
-        """Start the server and wait for /health; return the seconds it took."""
-        if self.running:
-            raise RuntimeError(f"vLLM server already running (pid {self.pid})")
-        if not vllm_python().exists():
-            raise VllmStartError(
-                f"no vLLM venv at {vllm_venv()}: run tests/vllm_real/setup_env.sh"
-            )
-        log = open(self.log_path, "ab")
-        log.write(f"\n==== start {time.strftime('%H:%M:%S')}: {self.command()}\n".encode())
-        log.flush()
-        self._log_file = log
-        began = time.monotonic()
-        self._proc = subprocess.Popen(
-            self.command(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=self.environment(),
-            cwd=self._work_dir,
-            # its own process group (stop() ends the engine too) in the test's session: with
-            # Linux's autogroup scheduling a session shares the CPU as one, so only inside it
-            # does a lower priority for the engine give the test the CPU first
-            process_group=0,
-        )
-        try:
-            self._wait_healthy(began)
-        except BaseException:
-            self.stop()
-            raise
-        self.last_start_seconds = time.monotonic() - began
-        self.start_history.append(self.last_start_seconds)
-        return self.last_start_seconds
-
-    def _wait_healthy(self, began: float) -> None:
-        assert self._proc is not None
-        deadline = began + self.startup_timeout
-        while True:
-            code = self._proc.poll()
-            if code is not None:
-                raise VllmStartError(
-                    f"vLLM exited with code {code} before it was healthy\n{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(self.health_url, timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass  # not listening yet
-            if time.monotonic() > deadline:
-                raise VllmStartError(
-                    f"vLLM not healthy after {self.startup_timeout:.0f} s\n{self.log_tail()}"
-                )
-            time.sleep(0.5)
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def stop(self, grace: float = 30.0) -> None:
-        """SIGTERM the server's process group, SIGKILL whatever is left after ``grace``."""
-        proc = self._proc
-        if proc is not None:
-            pgid = proc.pid  # process_group=0: the group id is the leader's pid
-            self._signal_group(pgid, signal.SIGTERM)
-            try:
-                proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                self._signal_group(pgid, signal.SIGKILL)
-                proc.wait(10)
-            # The engine core and its helpers share the group; end any that outlived it.
-            self._signal_group(pgid, signal.SIGKILL)
-            self._proc = None
-        if self._log_file is not None:
-            self._log_file.close()  # type: ignore[attr-defined]
-            self._log_file = None
-
-    @staticmethod
-    def _signal_group(pgid: int, sig: signal.Signals) -> None:
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            pass  # the group is already gone
-
-    def restart(self) -> float:
-        self.stop()
-        return self.start()
-
-    def close(self) -> None:
-        """Stop the server and remove its temporary directory (logs included)."""
-        self.stop()
-        shutil.rmtree(self._work_dir, ignore_errors=True)
-        atexit.unregister(self.close)
-
-    def __enter__(self) -> VllmServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def log_tail(self, lines: int = 60) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+    def missing_env(self) -> str | None:
+        return None if vllm_python().exists() else f"no vLLM venv at {vllm_venv()}: run tests/vllm_real/setup_env.sh"
 
     # -- requests --------------------------------------------------------------
     def metrics_text(self) -> str:
@@ -520,11 +393,12 @@ class VllmServer:
         if status != 200:
             raise RuntimeError(f"POST /resume answered {status}: {text[:500]}")
 
-    def ledger_page_data(self, timeout: float = 10.0) -> dict[str, object]:
-        """GET / on the in-engine ledger's Unix socket, as JSON."""
+    def ledger_document(self, timeout: float = 10.0, path: Path | None = None) -> dict[str, object]:
+        """The in-engine ledger's published document: GET / on its Unix socket (``path``: another
+        rank's), as JSON."""
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
-            sock.connect(str(self.ledger_socket))
+            sock.connect(str(path or self.ledger_socket))
             sock.sendall(b"GET / HTTP/1.1\r\nHost: ledger\r\nConnection: close\r\n\r\n")
             data = b""
             while chunk := sock.recv(1 << 16):
@@ -537,3 +411,37 @@ class VllmServer:
     def burst(self, **kwargs: object) -> BurstResult:
         """See :func:`run_burst` for the keyword arguments."""
         return run_burst(self.base_url, **kwargs)  # type: ignore[arg-type]
+
+    def engine_requests(self) -> int:
+        """The requests the engine's scheduler holds (running, preempted or waiting), as the
+        in-engine ledger last published them."""
+        return len(self.ledger_document()["requests"])  # type: ignore[arg-type]
+
+    def wait_engine_holds(self, requests: int, timeout: float = 60.0) -> None:
+        """While paused (``pause()``): wait until the engine's scheduler holds ``requests``
+        requests, e.g. a burst sent during the pause. A request sent to a paused engine is
+        queued in its scheduler without a step, and only a step or a pause publishes the
+        ledger: each look pauses again (the plugin publishes at every pause, the requests
+        queued since included) and reads the ledger. The timeout only bounds a failure."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.pause()
+            held = self.engine_requests()
+            if held >= requests:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the paused engine holds {held} of {requests} requests after {timeout} s")
+            time.sleep(0.05)  # pacing of the look; the deadline only bounds a failure
+
+    def server_load(self) -> int:
+        """GET /load: the requests the API server is handling (``--enable-server-load-tracking``)."""
+        return int(json.loads(http_get(f"{self.base_url}/load"))["server_load"])
+
+    def wait_api_holds(self, requests: int, timeout: float = 60.0) -> None:
+        """Wait until the API server handles ``requests`` requests (GET /load): with the engine
+        stopped (SIGSTOP) they go no further. The timeout only bounds a failure."""
+        deadline = time.monotonic() + timeout
+        while (load := self.server_load()) < requests:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the API server handles {load} of {requests} requests after {timeout} s")
+            time.sleep(0.05)  # pacing of the poll

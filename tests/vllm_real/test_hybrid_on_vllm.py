@@ -288,7 +288,7 @@ def capture_point(label: str, server: VllmServer, daemon_url: str, stock_url: st
         if usage_blocks(again, 1) == usage_blocks(text, 1):
             break
         text = again
-    doc = server.ledger_page_data()
+    doc = server.ledger_document()
     usable = int(doc["pools"][0]["num_blocks"])  # type: ignore[index]
     since = time.time()
     recount = read_recount(server)
@@ -296,7 +296,7 @@ def capture_point(label: str, server: VllmServer, daemon_url: str, stock_url: st
                              "a poll of vLLM and its ledger inside the pause")
     stock = wait_for_scrape(stock_url, lambda s: polled_after(since)(s) and s.up("kv_events") == 1, 20,
                             "a poll of vLLM and its KV events inside the pause (no ledger)")
-    later = server.ledger_page_data()
+    later = server.ledger_document()
     assert later["pools"] == doc["pools"] and later["requests"] == doc["requests"], f"{label}: the ledger moved while paused"
     return LedgerPoint(label, doc, recount, usage_blocks(text, usable), scrape, stock)
 
@@ -353,10 +353,10 @@ def ledger_record(served: Served, hybrid_daemon: Daemon, stock_daemon: Daemon) -
     try:
         for w in workers:
             w.start()
-        time.sleep(0.5)
+        server.wait_engine_holds(len(workers))  # the requests reach the engine and wait
         while any(w.is_alive() for w in workers) and len(points) < POINTS:
             server.resume()
-            time.sleep(SLICE)
+            time.sleep(SLICE)  # engine time between two frozen points: the slice is the test's pacing
             server.pause()
             points.append(capture_point(f"point {len(points) + 1}", server, url, stock))
     finally:
@@ -372,16 +372,17 @@ def ledger_record(served: Served, hybrid_daemon: Daemon, stock_daemon: Daemon) -
     server.pause()
     try:
         again.start()
-        time.sleep(0.5)
+        server.wait_engine_holds(1)  # the request reaches the engine and waits
         server.resume()
-        time.sleep(SLICE)
+        time.sleep(SLICE)  # engine time: the prefill that takes the cached blocks
         server.pause()
         hit = capture_point("prefix hit", server, url, stock)
     finally:
         server.resume()
     again.join(300)
+    # the hit is counted with the prefill's step, long before the request finished: once idle,
+    # /metrics has it
     server.wait_idle()
-    time.sleep(0.5)
     hits_after = prefix_hits(server.metrics_text())
     server.pause()
     try:

@@ -374,7 +374,7 @@ class BurstRecord:
 def burst(vllm_server: VllmServer, daemon: Daemon) -> Iterator[BurstRecord]:
     stream = EventStream(vllm_server)
     try:
-        time.sleep(0.5)  # let the SUB connection settle
+        stream.sub.wait_joined()  # (settle() also fills what the live stream missed from the replay)
         vllm_before = VllmState.of(vllm_server.wait_idle())
         n = len(list(iter_events(stream.settle(quiet=0.5))))
         t = time.time()
@@ -410,11 +410,11 @@ def burst(vllm_server: VllmServer, daemon: Daemon) -> Iterator[BurstRecord]:
         # MAX_PAUSES points the engine runs freely to the end.
         with engine_paused(vllm_server) as engine:
             burst_thread.start()
-            time.sleep(0.5)  # the requests reach the API server and wait for the stopped engine
+            vllm_server.wait_api_holds(BURST_REQUESTS)  # the requests reach the API server and wait for the stopped engine
             while burst_thread.is_alive() and len(frozen) < MAX_PAUSES:
                 resumed = time.monotonic()
                 engine.resume()
-                time.sleep(SLICE)
+                time.sleep(SLICE)  # engine time between two frozen points: the slice is the test's pacing
                 engine.stop()
                 slices.append(time.monotonic() - resumed)
                 frozen.append(capture_frozen(vllm_server, daemon.url))
@@ -585,9 +585,13 @@ def test_survives_vllm_outage_and_restart(vllm_server: VllmServer, daemon: Daemo
         sub.clear()
         first_down = wait_for_scrape(url, lambda s: s.up("vllm") == 0, 15, "source_up{source=vllm} == 0")
         downs = [first_down]
-        for _ in range(4):
-            time.sleep(0.3)
-            downs.append(Scrape.fetch(url, timeout=5))  # answers while the engine is gone
+
+        def connect_errors_of(s: Scrape) -> float:
+            return s.get("kvledger_source_errors_total", engine=ENGINE, source="vllm", reason="connect") or 0
+
+        for _ in range(4):  # four more failed polls: the daemon keeps answering while the engine is gone
+            seen = connect_errors_of(downs[-1])
+            downs.append(wait_for_scrape(url, lambda s, seen=seen: connect_errors_of(s) > seen, 15, "another failed poll of vLLM"))
         connect_errors = []
         for s in downs:
             assert s.up("vllm") == 0

@@ -46,7 +46,7 @@ class BurstRun:
 @pytest.fixture(scope="module")
 def burst_run(vllm_server: VllmServer) -> Iterator[BurstRun]:
     with KvEventSubscriber(vllm_server.events_url) as sub:
-        time.sleep(0.5)  # let the SUB connection settle (ZMQ drops to unjoined subscribers)
+        sub.wait_joined()  # ZMQ drops what is published before a subscriber has joined
         before = vllm_server.wait_idle()
         burst = vllm_server.burst(requests=BURST_REQUESTS, max_tokens=BURST_MAX_TOKENS)
         idle = vllm_server.wait_idle()

@@ -136,13 +136,13 @@ def capture(label: str, server: VllmServer, daemon_url: str, stream: EventStream
     """Everything at one point; the engine must be paused (or idle)."""
     vllm = settle_vllm(server)
     stable_since = time.time()
-    doc = server.ledger_page_data()
+    doc = server.ledger_document()
     batches = stream.settle(quiet=0.3)
     cached = cached_count_by_events_applied(batches)[len(list(iter_events(batches)))]
     scrape = wait_for_scrape(daemon_url, lambda s: polled_after(stable_since)(s) and s.up("ledger") == 1, 20,
                              "a poll of vLLM and its ledger inside the pause")
     assert VllmState.of(server.metrics_text()) == vllm, f"{label}: vLLM moved while paused"
-    again = server.ledger_page_data()
+    again = server.ledger_document()
     assert again["pools"] == doc["pools"] and again["requests"] == doc["requests"], f"{label}: ledger moved while paused"
     return Point(label, vllm, doc, scrape, cached)
 
@@ -232,7 +232,7 @@ def record(vllm_server: VllmServer, daemon: Daemon, prometheus: PrometheusServer
     server = vllm_server
     stream = EventStream(server)
     try:
-        time.sleep(0.5)  # the SUB connection settles
+        stream.sub.wait_joined()  # (settle() also fills what the live stream missed from the replay)
         server.wait_idle()
         rec = Record(capture("idle before", server, daemon.url, stream))
         results: dict[str, Any] = {}
@@ -242,12 +242,12 @@ def record(vllm_server: VllmServer, daemon: Daemon, prometheus: PrometheusServer
         server.pause()
         try:
             burst.start()
-            time.sleep(0.5)  # the requests reach the engine and wait
+            server.wait_engine_holds(BURST_REQUESTS)  # the requests reach the engine and wait
             # MAX_POINTS, or more until one shows a preempted request: on a loaded machine a
             # slice holds fewer steps, and 25 of them can end before the pool runs out
             while burst.is_alive() and len(rec.points) < (MAX_POINTS if _saw_preempted(rec) else MAX_POINTS_UNTIL_PREEMPTED):
                 server.resume()
-                time.sleep(SLICE)
+                time.sleep(SLICE)  # engine time between two frozen points: the slice is the test's pacing
                 server.pause()
                 point = capture(f"point {len(rec.points) + 1}", server, daemon.url, stream)
                 rec.points.append(point)
@@ -266,10 +266,10 @@ def record(vllm_server: VllmServer, daemon: Daemon, prometheus: PrometheusServer
         server.pause()
         try:
             second.start()
-            time.sleep(0.5)
+            server.wait_engine_holds(BURST_REQUESTS)  # the second burst reaches the engine and waits
             for _ in range(10):
                 server.resume()
-                time.sleep(SLICE)
+                time.sleep(SLICE)  # engine time between two frozen points
                 server.pause()
                 point = capture("overcommitted", server, daemon.url, stream)
                 if sum(reservation_blocks(r) for r in point.rows("running", "preempted")) > 1.2 * CAPACITY:
@@ -294,9 +294,9 @@ def record(vllm_server: VllmServer, daemon: Daemon, prometheus: PrometheusServer
         server.pause()
         try:
             n_done.start()
-            time.sleep(0.5)
+            server.wait_engine_holds(3)  # the request's three samples are three requests in the engine
             server.resume()
-            time.sleep(0.3)
+            time.sleep(0.3)  # engine time: a few steps of the three samples before the frozen point
             server.pause()
             rec.n_point = capture("n=3", server, daemon.url, stream)
         finally:
@@ -310,9 +310,8 @@ def record(vllm_server: VllmServer, daemon: Daemon, prometheus: PrometheusServer
             rec.aborted_status = "completed"
         except (TimeoutError, urllib.error.URLError, OSError) as exc:
             rec.aborted_status = f"client gave up: {type(exc).__name__}"
-        server.wait_idle()
-        time.sleep(0.5)
-        server.pause()
+        server.wait_idle()  # no request left: the frozen point's own waits (settle_vllm, the event
+        server.pause()      # stream's quiet, the poll after the pause) take the last outputs in
         try:
             rec.idle_after = capture("idle after", server, daemon.url, stream)
         finally:
@@ -462,7 +461,7 @@ def test_without_the_integration_vllm_is_unchanged_and_the_daemon_falls_back(
     # inert: not one line (the engine's own paths may name the machine's cache, ~/.cache/kvledger/vllm-<pins>)
     assert "kvledger" not in re.sub(r"\S*/\.cache/kvledger/\S*", "", log)
     with pytest.raises((ConnectionRefusedError, FileNotFoundError)):  # a killed engine may leave the file
-        vllm_server.ledger_page_data()
+        vllm_server.ledger_document()
     result = vllm_server.complete(words(unique_suffix_ids(7, 40)), 20)
     assert result.status == 200 and result.completion_tokens == 20
     s = wait_for_scrape(daemon.url, lambda s: s.up("vllm") == 1 and s.up("ledger") == 0, 60,

@@ -21,7 +21,6 @@ test_vllm_ledger.py, whose last test is done with it) so the two-rank engine has
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -95,16 +94,11 @@ class DpServer(VllmServer):
         return f"unix://{self._work_dir}/ledger-{{dp_rank}}.sock"
 
     def ledger_of(self, rank: str, timeout: float = 10.0) -> dict[str, Any]:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(timeout)
-            sock.connect(str(self._work_dir / f"ledger-{rank}.sock"))
-            sock.sendall(b"GET / HTTP/1.1\r\nHost: ledger\r\nConnection: close\r\n\r\n")
-            data = b""
-            while chunk := sock.recv(1 << 16):
-                data += chunk
-        head, _, body = data.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 200"), head[:80]
-        return json.loads(body)  # type: ignore[no-any-return]
+        return self.ledger_document(timeout, self._work_dir / f"ledger-{rank}.sock")
+
+    def engine_requests(self) -> int:
+        """Both ranks' requests, as their ledgers last published them."""
+        return sum(len(self.ledger_of(rank)["requests"]) for rank in RANKS)
 
     def rank_events_url(self, rank: str) -> str:
         return f"tcp://127.0.0.1:{self.kv_events_port + int(rank)}"
@@ -319,8 +313,12 @@ def record(dp_server: DpServer, daemon: Daemon) -> Iterator[Record]:
     # 2. one request: one rank gets its gauges, the other has none yet
     result = server.complete(words(unique_suffix_ids(1, 40)), 4)
     assert result.status == 200, result.body
-    time.sleep(0.5)
-    rec.one_rank_metrics = rank_states(server.metrics_text())
+    # the rank that served it has its gauges once its stats reach the API server
+    deadline = time.monotonic() + 30
+    while not (states := rank_states(server.metrics_text())):
+        assert time.monotonic() < deadline, "no rank's gauges on /metrics 30 s after a request"
+        time.sleep(0.1)  # pacing of the poll
+    rec.one_rank_metrics = states
     if len(rec.one_rank_metrics) == 1:
         since = time.time()
         rec.one_rank = wait_for_scrape(daemon.url, lambda s: polled_after(since)(s) and both_exact(s), 30,
@@ -341,7 +339,8 @@ def record(dp_server: DpServer, daemon: Daemon) -> Iterator[Record]:
     # 4. frozen points through a burst spread over both ranks
     events = RankEvents(server)
     try:
-        time.sleep(0.5)  # the SUB connections settle
+        for sub in events.subs.values():
+            sub.wait_joined()  # (cached() also fills what the live stream missed from the replay)
         server.wait_idle()
         results: dict[str, Any] = {}
         burst = threading.Thread(target=lambda: results.update(burst=run_burst(
@@ -350,18 +349,17 @@ def record(dp_server: DpServer, daemon: Daemon) -> Iterator[Record]:
         server.pause()
         try:
             burst.start()
-            time.sleep(1.0)  # the requests reach both engines and wait
+            server.wait_engine_holds(BURST_REQUESTS)  # the requests reach both engines and wait
             while burst.is_alive() and len(rec.points) < MAX_POINTS:
                 server.resume()
-                time.sleep(SLICE)
+                time.sleep(SLICE)  # engine time between two frozen points: the slice is the test's pacing
                 server.pause()
                 rec.points.append(capture(f"point {len(rec.points) + 1}", server, daemon.url, events))
         finally:
             server.resume()
         burst.join(300)
         rec.burst_statuses = [r.status for r in results["burst"].results]
-        server.wait_idle()
-        time.sleep(0.5)
+        server.wait_idle()  # the frozen point's own waits take the last outputs in
         server.pause()
         try:
             rec.idle_after = capture("idle after", server, daemon.url, events)

@@ -10,77 +10,32 @@
 - ``KVLEDGER_SGLANG_INTERVAL``: the shortest time between two publications, in seconds
   (default 0.1; the publication's own cost can stretch it, see ``vllm.tracker.Throttle``).
 - ``KVLEDGER_SGLANG_UNTESTED=1``: try an SGLang release the plugin was not tested with.
+
+The parsing is every plugin's (``kvledger_engine.plugin_settings``); this module holds what
+is SGLang's: the names, the tenant modes and the data-parallel rule.
 """
 
 from __future__ import annotations
 
-import math
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
-ENV_LEDGER = "KVLEDGER_SGLANG_LEDGER"
-ENV_TENANT = "KVLEDGER_SGLANG_TENANT"
-ENV_INTERVAL = "KVLEDGER_SGLANG_INTERVAL"
-ENV_UNTESTED = "KVLEDGER_SGLANG_UNTESTED"
+from kvledger_engine.plugin_settings import DP_PLACEHOLDER, EnvNames, PluginSettings, SettingsError
+
+__all__ = ["DP_PLACEHOLDER", "ENV_INTERVAL", "ENV_LEDGER", "ENV_TENANT", "ENV_UNTESTED", "TENANT_MODES", "Settings", "SettingsError"]
+
+ENV = EnvNames.for_engine("SGLANG")
+ENV_LEDGER, ENV_TENANT, ENV_INTERVAL, ENV_UNTESTED = ENV.ledger, ENV.tenant, ENV.interval, ENV.untested
 TENANT_MODES = ("", "priority")
-DP_PLACEHOLDER = "{dp_rank}"
-
-
-class SettingsError(ValueError):
-    """A setting the plugin cannot use; the message names the variable."""
 
 
 @dataclass(frozen=True)
-class Settings:
-    address: str  # as given, with {dp_rank} possibly in it
-    tenant_mode: str = ""
-    min_interval: float = 0.1
-    allow_untested: bool = False
+class Settings(PluginSettings):
+    ENV = ENV
+    TENANT_MODES = TENANT_MODES
+    TENANT_EXPECTED = "priority"
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings | None:
-        """The settings, or None when the plugin is not enabled."""
-        env = os.environ if env is None else env
-        address = env.get(ENV_LEDGER, "").strip()
-        if not address:
-            return None
-        tenant = env.get(ENV_TENANT, "").strip()
-        if tenant not in TENANT_MODES:
-            raise SettingsError(f"{ENV_TENANT}={tenant!r}: expected priority (or unset)")
-        raw = env.get(ENV_INTERVAL, "").strip()
-        interval = 0.1
-        if raw:
-            try:
-                interval = float(raw)
-            except ValueError:
-                interval = math.nan
-            if not (math.isfinite(interval) and 0 < interval <= 60):
-                raise SettingsError(f"{ENV_INTERVAL}={raw!r}: expected seconds in (0, 60]")
-        settings = cls(address, tenant, interval, env.get(ENV_UNTESTED, "").strip() in ("1", "true", "yes"))
-        settings.endpoint(0, 1)  # validates the address
-        return settings
-
-    def endpoint(self, dp_rank: int, dp_size: int) -> tuple[str, str]:
-        """("unix", path) or ("http", "host:port") for this data-parallel rank."""
-        if DP_PLACEHOLDER not in self.address and (dp_size > 1 or dp_rank > 0):
-            raise SettingsError(
-                f"{ENV_LEDGER}={self.address!r}: with {max(dp_size, dp_rank + 1)} data-parallel ranks the address must "
-                f"contain {DP_PLACEHOLDER} (each rank serves its own pool)"
-            )
-        address = self.address.replace(DP_PLACEHOLDER, str(dp_rank))
-        if address.startswith("/"):
-            return "unix", address
-        parts = urlsplit(address)
-        try:
-            port = parts.port
-        except ValueError:
-            port = None
-        if parts.scheme == "unix" and parts.path.startswith("/") and not parts.netloc:
-            return "unix", parts.path
-        if parts.scheme == "http" and parts.hostname and port is not None and parts.path in ("", "/"):
-            return "http", f"{parts.hostname}:{port}"
-        raise SettingsError(
-            f"{ENV_LEDGER}={self.address!r}: expected unix:///absolute/path, an absolute socket path or http://host:port"
-        )
+    def placeholder_needed(self, dp_rank: int, dp_size: int) -> str | None:
+        """SGLang tells the scheduler its rank and the size alike: either above one is data parallelism."""
+        if dp_size > 1 or dp_rank > 0:
+            return f"with {max(dp_size, dp_rank + 1)} data-parallel ranks"
+        return None

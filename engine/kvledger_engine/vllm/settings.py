@@ -15,85 +15,35 @@
 - ``KVLEDGER_VLLM_INTERVAL``: the shortest time between two publications, in seconds
   (default 0.1; the publication's own cost can stretch it, see ``tracker.Throttle``).
 - ``KVLEDGER_VLLM_UNTESTED=1``: try a vLLM release the integration was not tested with.
+
+The parsing is every plugin's (``kvledger_engine.plugin_settings``); this module holds what
+is vLLM's: the names, the tenant modes and the data-parallel rule.
 """
 
 from __future__ import annotations
 
-import math
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
-ENV_LEDGER = "KVLEDGER_VLLM_LEDGER"
-ENV_TENANT = "KVLEDGER_VLLM_TENANT"
-ENV_INTERVAL = "KVLEDGER_VLLM_INTERVAL"
-ENV_UNTESTED = "KVLEDGER_VLLM_UNTESTED"
+from kvledger_engine.plugin_settings import DP_PLACEHOLDER, EnvNames, PluginSettings, SettingsError
+
+__all__ = ["DP_PLACEHOLDER", "ENV_INTERVAL", "ENV_LEDGER", "ENV_TENANT", "ENV_UNTESTED", "TENANT_MODES", "Settings", "SettingsError"]
+
+ENV = EnvNames.for_engine("VLLM")
+ENV_LEDGER, ENV_TENANT, ENV_INTERVAL, ENV_UNTESTED = ENV.ledger, ENV.tenant, ENV.interval, ENV.untested
 TENANT_MODES = ("", "priority", "request")
-DP_PLACEHOLDER = "{dp_rank}"
-
-
-class SettingsError(ValueError):
-    """A setting the integration cannot use; the message names the variable."""
 
 
 @dataclass(frozen=True)
-class Settings:
-    address: str  # as given, with {dp_rank} possibly in it
-    tenant_mode: str = ""
-    min_interval: float = 0.1
-    allow_untested: bool = False
+class Settings(PluginSettings):
+    ENV = ENV
+    TENANT_MODES = TENANT_MODES
+    TENANT_EXPECTED = "one of priority, request"
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings | None:
-        """The settings, or None when the integration is not enabled."""
-        env = os.environ if env is None else env
-        address = env.get(ENV_LEDGER, "").strip()
-        if not address:
-            return None
-        tenant = env.get(ENV_TENANT, "").strip()
-        if tenant not in TENANT_MODES:
-            raise SettingsError(f"{ENV_TENANT}={tenant!r}: expected one of priority, request (or unset)")
-        raw_interval = env.get(ENV_INTERVAL, "").strip()
-        interval = 0.1
-        if raw_interval:
-            try:
-                interval = float(raw_interval)
-            except ValueError:
-                interval = math.nan
-            if not (math.isfinite(interval) and 0 < interval <= 60):
-                raise SettingsError(f"{ENV_INTERVAL}={raw_interval!r}: expected seconds in (0, 60]")
-        settings = cls(address, tenant, interval, env.get(ENV_UNTESTED, "").strip() in ("1", "true", "yes"))
-        settings.endpoint(0, 1)  # validates the address
-        return settings
-
-    def endpoint(self, dp_rank: int, dp_size: int) -> tuple[str, str]:
-        """("unix", path) or ("http", "host:port") for this rank (``dp_rank``: vLLM's
-        ``data_parallel_index``; ``dp_size``: what the engine core's configuration says)."""
-        if DP_PLACEHOLDER not in self.address:
-            if dp_size > 1:
-                raise SettingsError(
-                    f"{ENV_LEDGER}={self.address!r}: with {dp_size} data-parallel ranks the address must contain "
-                    f"{DP_PLACEHOLDER} (each rank serves its own pool)"
-                )
-            if dp_rank > 0:
-                raise SettingsError(
-                    f"{ENV_LEDGER}={self.address!r}: this engine core is data-parallel rank {dp_rank}: the address "
-                    f"must contain {DP_PLACEHOLDER} (each rank serves its own pool)"
-                )
-        address = self.address.replace(DP_PLACEHOLDER, str(dp_rank))
-        if address.startswith("/"):
-            return "unix", address
-        parts = urlsplit(address)
-        try:
-            port = parts.port
-        except ValueError:
-            port = None
-        if parts.scheme == "unix" and parts.path.startswith("/") and not parts.netloc:
-            return "unix", parts.path
-        if parts.scheme == "http" and parts.hostname and port is not None and parts.path in ("", "/"):
-            return "http", f"{parts.hostname}:{port}"
-        raise SettingsError(
-            f"{ENV_LEDGER}={self.address!r}: expected unix:///absolute/path, an absolute socket path "
-            "or http://host:port"
-        )
+    def placeholder_needed(self, dp_rank: int, dp_size: int) -> str | None:
+        """``dp_rank``: vLLM's ``data_parallel_index``; ``dp_size``: what the engine core's
+        configuration says (1 for every rank of a dense model, module docstring)."""
+        if dp_size > 1:
+            return f"with {dp_size} data-parallel ranks"
+        if dp_rank > 0:
+            return f"this engine core is data-parallel rank {dp_rank}:"
+        return None

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TypeVar
 
+import kvledger.collect.sources.kinds  # noqa: F401  (every kind's registration: fills KINDS)
 from kvledger.collect.sources.base import Contribution, EngineContribution, engine_position
 from kvledger.config.engine_kinds import KINDS
 from kvledger.config.types import EngineConfig

@@ -1,22 +1,31 @@
-"""Every engine kind kvledger reads, one registration each.
+"""The table of engine kinds: what a kind's registration says, and the table the
+configuration reads.
 
-A registration names the configuration keys that only this kind accepts, the admission
-and overflow rules of the engine when neither the engine nor the configuration says, and
-the kind's documentation page. The configuration loader, the merge of configured facts and
-the generated docs derive everything from this table; the kind's source class is named, by
-reference, in ``kvledger.collect.sources.registry.SOURCES`` (the sources read the
-configuration, so the configuration cannot import them). A new engine kind is a new source
-folder, one ``register(...)`` here and its class in ``SOURCES`` (docs/adding-an-engine.md).
+A registration (``register(EngineKind(...))``) names the kind's source class (by
+reference), the configuration keys that only this kind accepts, the admission and overflow
+rules of the engine when neither the engine nor the configuration says, and the kind's
+documentation page. It lives in the kind's own folder (``collect/sources/<kind>/kind.py``),
+beside the source it names; ``kvledger.collect.sources.kinds`` imports every kind's
+registration, one line each, and the entry points (the CLI, the docs generator, the
+simulator, the tests' conftest) import it before they read a configuration. The
+configuration loader, the merge of configured facts, the registry that builds the sources and
+the generated docs derive everything from ``KINDS``. A new engine kind is its folder and
+one line in ``collect/sources/kinds.py`` (docs/adding-an-engine.md).
 
-This module imports nothing but the facts' words: the loader reads it to validate a file.
+This module imports nothing of ``collect/`` (the sources read the configuration): the
+table is filled from there, never looked up from here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from kvledger.domain.facts import Admission, Overflow
+
+if TYPE_CHECKING:
+    from kvledger.config.types import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,10 @@ class Option:
 @dataclass(frozen=True)
 class EngineKind:
     name: str  # the ``kind:`` value in the configuration
+    #: the kind's source class (a ``kvledger.collect.sources.base.Source``), built with the
+    #: engine's configuration: named by reference, so that a reader follows ``kind: sglang``
+    #: to ``SglangSource``
+    source: Callable[[EngineConfig], object]
     options: tuple[Option, ...]  # configuration keys that only this kind accepts (cfg.option(name))
     admission: Admission | None  # the engine's rule, when neither it nor the config says
     overflow: Overflow | None
@@ -43,6 +56,7 @@ class EngineKind:
     summary: str  # one line for error messages and the table of kinds (docs/engines/index.md)
 
 
+#: every registered kind by name, in the order of kvledger.collect.sources.kinds
 KINDS: dict[str, EngineKind] = {}
 
 #: kinds on the roadmap: named in the error for an unknown kind, never accepted
@@ -63,89 +77,3 @@ def kind_specific_keys() -> dict[str, tuple[str, ...]]:
         for o in kind.options:
             owners[o.name] = (*owners.get(o.name, ()), kind.name)
     return owners
-
-
-register(EngineKind(
-    name="ledger",
-    options=(),
-    admission=None,  # the document says; absent means unknown
-    overflow=None,
-    docs="docs/ledger.md",
-    summary="a kvledger/v1 document over HTTP(S) or a Unix socket (exact)",
-))
-
-register(EngineKind(
-    name="vllm",
-    options=(
-        Option("kv_events", "zmq", "the ZMQ publisher of KV events (--kv-events-config endpoint)"),
-        Option("kv_events_replay", "zmq", "the ZMQ replay endpoint (replay_endpoint)"),
-        Option("log_file", "path", "the server's log, for the startup memory profile"),
-        Option("ledger", "address", "the in-engine integration's kvledger/v1 address (KVLEDGER_VLLM_LEDGER; {dp_rank} per rank)"),
-    ),
-    admission="dynamic",  # vLLM admits against free blocks, not a reservation
-    overflow="preempt-recompute",
-    docs="docs/engines/vllm.md",
-    summary="vLLM: /metrics, optional KV events (ZMQ), startup log and in-engine ledger (exact)",
-))
-
-register(EngineKind(
-    name="sglang",
-    options=(
-        Option("server_info_url", "address",
-               "GET /server_info (older builds: /get_server_info), for page_size on builds whose /metrics has "
-               "no sglang:page_size and for --decode-log-interval (default: /server_info beside url)"),
-        Option("decode_log_interval", "steps",
-               "the server's --decode-log-interval, when /server_info cannot be read (SGLang refreshes its "
-               "KV gauges every this many decode steps)"),
-        Option("ledger", "address", "the kvledger SGLang plugin's kvledger/v1 address (KVLEDGER_SGLANG_LEDGER; {dp_rank} per rank)"),
-    ),
-    admission="dynamic",  # SGLang allocates on demand and retracts (recomputes) under pressure
-    overflow="preempt-recompute",
-    docs="docs/engines/sglang.md",
-    summary="SGLang's /metrics (--enable-metrics): KV tokens in pages, sliding-window and mamba pools apart; "
-            "with the plugin's ledger, exact",
-))
-
-register(EngineKind(
-    name="trtllm",
-    options=(),
-    admission="reserve-cap",  # the default GUARANTEED_NO_EVICT scheduler; MAX_UTILIZATION: set admission: dynamic
-    overflow="preempt-recompute",  # MAX_UTILIZATION pauses requests (blocks freed, recomputed later)
-    docs="docs/engines/trtllm.md",
-    summary="trtllm-serve's GET /prometheus/metrics (never the destructive JSON /metrics)",
-))
-
-register(EngineKind(
-    name="triton-trtllm",
-    options=(),
-    admission="reserve-cap",  # the backend's default batch_scheduler_policy guaranteed_no_evict
-    overflow="preempt-recompute",
-    docs="docs/engines/triton-trtllm.md",
-    summary="Triton's /metrics (port 8002) with the TensorRT-LLM backend's nv_trt_llm_* families",
-))
-
-register(EngineKind(
-    name="tgi",
-    options=(
-        Option("block_size", "tokens",
-               "tokens per KV block of TGI's attention backend (flashinfer 1, the default; paged 16; flashdecoding 256)"),
-    ),
-    admission="reserve-cap",  # TGI reserves input + max_new_tokens up front and never preempts
-    overflow="reject",
-    docs="docs/engines/tgi.md",
-    summary="TGI's /metrics: the running batch's reservation and the warmed-up token capacity",
-))
-
-register(EngineKind(
-    name="llamacpp",
-    options=(
-        Option("slots_url", "address", "GET /slots, when not the server's base URL + /slots"),
-        Option("props_url", "address", "GET /props, when not the server's base URL + /props"),
-        Option("kv_unified", "boolean", "true when the slots share one KV buffer (--kv-unified, or -np unset)"),
-        Option("kv_size", "tokens", "the KV buffer in tokens, when the slots' n_ctx do not add up to it"),
-    ),
-    admission="reserve-cap",  # each busy slot holds its whole context (kv_unified: dynamic)
-    overflow="reject",  # a prompt over the slot context is refused; generation stops at it
-    docs="docs/engines/llamacpp.md",
-    summary="a stock llama.cpp server: /slots, /props and /metrics (--metrics)",
-))

@@ -243,6 +243,8 @@ def _choice(options: tuple[L, ...]) -> Callable[[Any], L]:
 def _engine_kind(value: Any) -> str:
     if isinstance(value, str) and value in KINDS:
         return value
+    if not KINDS:  # a program that reads a configuration without the kinds' registrations
+        raise ValueError("no engine kind is registered: import kvledger.collect.sources.kinds first (the CLI does)")
     known = ", ".join(KINDS)
     if isinstance(value, str) and value in PLANNED:
         raise ValueError(

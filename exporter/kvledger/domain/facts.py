@@ -28,7 +28,13 @@ from kvledger_engine.wire_terms import (
     FULL_ATTENTION as FULL_ATTENTION,
 )
 from kvledger_engine.wire_terms import (
+    GROUP_HOLDINGS as GROUP_HOLDINGS,
+)
+from kvledger_engine.wire_terms import (
     GROUP_KINDS as GROUP_KINDS,
+)
+from kvledger_engine.wire_terms import (
+    GROUPS as GROUPS,
 )
 from kvledger_engine.wire_terms import (
     LIMIT_KINDS as LIMIT_KINDS,
@@ -49,6 +55,9 @@ from kvledger_engine.wire_terms import (
     SLIDING_WINDOW as SLIDING_WINDOW,
 )
 from kvledger_engine.wire_terms import (
+    STATE_GROUP_KINDS as STATE_GROUP_KINDS,
+)
+from kvledger_engine.wire_terms import (
     TERM_SOURCES as TERM_SOURCES,
 )
 from kvledger_engine.wire_terms import (
@@ -56,6 +65,9 @@ from kvledger_engine.wire_terms import (
 )
 from kvledger_engine.wire_terms import (
     Admission as Admission,
+)
+from kvledger_engine.wire_terms import (
+    GroupHolding as GroupHolding,
 )
 from kvledger_engine.wire_terms import (
     LimitKind as LimitKind,

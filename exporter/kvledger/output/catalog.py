@@ -14,10 +14,13 @@ from typing import Literal
 
 from kvledger import build_info
 from kvledger.domain.accounts import Accounts, ConfigReload, EngineAccount, PoolAccount
+from kvledger.domain.facts import GROUP_KINDS
 from kvledger.domain.limits import MAX_DOCUMENT_AGE
 from kvledger.domain.measure import Measure
 
-Sample = tuple[tuple[str, ...], float]
+#: a sample's label values under their names (every name of its family's ``labels``, no other)
+Labels = dict[str, str]
+Sample = tuple[Labels, float]
 Extract = Callable[[Accounts], Iterable[Sample]]
 
 
@@ -30,9 +33,9 @@ class MetricSpec:
     type: Literal["gauge", "counter"]
     unit: str  # bytes, blocks, tokens, requests, seconds, ratio, "" (a count or info)
     group: str  # kv, scheduler, tenant, gpu, host, info, health
-    labels: tuple[str, ...]
+    labels: tuple[str, ...]  # the label names, in the exposition's order
     help: str
-    samples: Extract
+    samples: Extract  # each sample's labels by name (``Labels``): nothing pairs names and values by position
 
     @property
     def stability(self) -> Stability:
@@ -40,11 +43,12 @@ class MetricSpec:
         experimental: may change in any release. Every family is one or the other (STABLE)."""
         return "stable" if self.name in STABLE else "experimental"
 
-    def labelled(self, accounts: Accounts) -> Iterator[tuple[dict[str, str], float]]:
-        """The samples with each label value under its name: what the JSON view, OTLP and the pages
-        read, so that only the text renderer (whose label order is the exposition's) pairs by position."""
-        for values, value in self.samples(accounts):
-            yield dict(zip(self.labels, values, strict=True)), value
+    def labelled(self, accounts: Accounts) -> Iterator[tuple[Labels, float]]:
+        """The samples with their labels in the family's order (``labels``), each read by its name
+        (KeyError for a name the sample lacks): what the JSON view, OTLP and the pages read."""
+        names = self.labels
+        for labels, value in self.samples(accounts):
+            yield {n: labels[n] for n in names}, value
 
 
 @dataclass(frozen=True)
@@ -124,8 +128,7 @@ LABELS: dict[str, Label] = {
     "driver_version": Label("the NVIDIA driver's version"),
     "mig": Label("whether the GPU is a MIG instance", frozenset({"true", "false"})),
     "group": Label("a KV-cache group of a pool (a hybrid model's layer type)"),
-    "layer_type": Label("the layer type of a KV-cache group",
-                        frozenset({"full_attention", "sliding_window", "chunked_local_attention", "mamba"})),
+    "layer_type": Label("the layer type of a KV-cache group", frozenset(GROUP_KINDS)),
     "window_tokens": Label("the tokens a KV-cache group's window or chunk spans (empty: none)"),
     "constraint": Label("a limit that stops an engine admitting work",
                         frozenset({"kv_quota", "kv_physical", "sequences", "token_budget"})),
@@ -146,7 +149,7 @@ def _pool_value(get: Callable[[PoolAccount], float | None]) -> Extract:
         for e, p in _pools(a):
             v = get(p)
             if v is not None:
-                yield (e.name, p.pool), float(v)
+                yield {"engine": e.name, "pool": p.pool}, float(v)
 
     return extract
 
@@ -157,7 +160,7 @@ def _pool_measure(get: Callable[[PoolAccount], Measure | None]) -> Extract:
             m = get(p)
             if m is not None:
                 for basis, v in m.series():
-                    yield (e.name, p.pool, basis), float(v)
+                    yield {"engine": e.name, "pool": p.pool, "basis": basis}, float(v)
 
     return extract
 
@@ -167,7 +170,7 @@ def _engine_value(get: Callable[[EngineAccount], float | None]) -> Extract:
         for e in a.engines:
             v = get(e)
             if v is not None:
-                yield (e.name,), float(v)
+                yield {"engine": e.name}, float(v)
 
     return extract
 
@@ -181,7 +184,7 @@ def _kv_blocks(a: Accounts) -> Iterator[Sample]:
         phys = p.physical
         for state, m in (("in_use", phys.in_use), ("reclaimable", phys.reclaimable), ("free", phys.free)):
             if m is not None and m.exact is not None:
-                yield (e.name, p.pool, state), float(m.exact)
+                yield {"engine": e.name, "pool": p.pool, "state": state}, float(m.exact)
 
 
 def _headroom(a: Accounts) -> Iterator[Sample]:
@@ -190,7 +193,7 @@ def _headroom(a: Accounts) -> Iterator[Sample]:
             mb = p.bytes_of(m)
             if mb is not None:
                 for basis, v in mb.series():
-                    yield (e.name, p.pool, view, basis), float(v)
+                    yield {"engine": e.name, "pool": p.pool, "view": view, "basis": basis}, float(v)
 
 
 def _utilization(a: Accounts) -> Iterator[Sample]:
@@ -198,7 +201,7 @@ def _utilization(a: Accounts) -> Iterator[Sample]:
         for view, m in (("physical", p.physical_utilization), ("quota", p.quota_utilization)):
             if m is not None:
                 for basis, v in m.series():
-                    yield (e.name, p.pool, view, basis), float(v)
+                    yield {"engine": e.name, "pool": p.pool, "view": view, "basis": basis}, float(v)
 
 
 def _pending(a: Accounts) -> Iterator[Sample]:
@@ -206,14 +209,14 @@ def _pending(a: Accounts) -> Iterator[Sample]:
         if p.block_bytes is None:
             continue
         for bound, blocks in sorted(p.pending_growth_blocks.items()):
-            yield (e.name, p.pool, bound), float(blocks * p.block_bytes)
+            yield {"engine": e.name, "pool": p.pool, "output_bound": bound}, float(blocks * p.block_bytes)
 
 
 def _admission_headroom(a: Accounts) -> Iterator[Sample]:
     for e, p in _pools(a):
         if p.admission_headroom_requests is not None:
             for basis, v in p.admission_headroom_requests.series():
-                yield (e.name, p.pool, basis), float(v)
+                yield {"engine": e.name, "pool": p.pool, "basis": basis}, float(v)
 
 
 def _saturation(a: Accounts) -> Iterator[Sample]:
@@ -221,36 +224,36 @@ def _saturation(a: Accounts) -> Iterator[Sample]:
         for p in e.pools:
             for constraint, m in p.saturation.items():
                 for basis, v in m.series():
-                    yield (e.name, p.pool, constraint, basis), float(v)
+                    yield {"engine": e.name, "pool": p.pool, "constraint": constraint, "basis": basis}, float(v)
         for constraint, m in e.saturation.items():  # the engine's own budgets: no pool
             for basis, v in m.series():
-                yield (e.name, "", constraint, basis), float(v)
+                yield {"engine": e.name, "pool": "", "constraint": constraint, "basis": basis}, float(v)
 
 
 def _binding(a: Accounts) -> Iterator[Sample]:
     for e in a.engines:
         for constraint in sorted(e.binding_candidates):
-            yield (e.name, constraint), 1.0 if constraint == e.binding else 0.0
+            yield {"engine": e.name, "constraint": constraint}, 1.0 if constraint == e.binding else 0.0
 
 
 def _preempted_tokens(a: Accounts) -> Iterator[Sample]:
     for e in a.engines:
         for facts in e.facts.pools:  # a counter the engine keeps: read as it reports it
             if facts.preempted_tokens is not None:
-                yield (e.name, facts.id), float(facts.preempted_tokens)
+                yield {"engine": e.name, "pool": facts.id}, float(facts.preempted_tokens)
 
 
 def _requests(a: Accounts) -> Iterator[Sample]:
     for e in a.engines:
         for state, n in e.requests.items():
             if n is not None:
-                yield (e.name, state), float(n)
+                yield {"engine": e.name, "state": state}, float(n)
 
 
 def _slots(a: Accounts) -> Iterator[Sample]:
     for e in a.engines:
         for purpose, n in sorted(e.extra_context_slots.items()):
-            yield (e.name, purpose), float(n)
+            yield {"engine": e.name, "purpose": purpose}, float(n)
 
 
 def _rechecks(a: Accounts) -> Iterator[Sample]:
@@ -258,7 +261,7 @@ def _rechecks(a: Accounts) -> Iterator[Sample]:
         for result in ("accepted", "rejected"):
             v = e.facts.counters.get(f"admission_rechecks_{result}")
             if v is not None:
-                yield (e.name, result), float(v)
+                yield {"engine": e.name, "result": result}, float(v)
 
 
 def _tenants(get: Callable[..., float | None]) -> Extract:
@@ -267,7 +270,7 @@ def _tenants(get: Callable[..., float | None]) -> Extract:
             for t in e.tenants:
                 v = get(t)
                 if v is not None:
-                    yield (e.name, t.tenant), float(v)
+                    yield {"engine": e.name, "tenant": t.tenant}, float(v)
 
     return extract
 
@@ -276,7 +279,7 @@ def _tenant_requests(a: Accounts) -> Iterator[Sample]:
     for e in a.engines:
         for t in e.tenants:
             for state, n in sorted(t.requests.items()):
-                yield (e.name, t.tenant, state), float(n)
+                yield {"engine": e.name, "tenant": t.tenant, "state": state}, float(n)
 
 
 def _gpu_value(get: Callable[..., float | None], only_up: bool = True) -> Extract:
@@ -286,7 +289,7 @@ def _gpu_value(get: Callable[..., float | None], only_up: bool = True) -> Extrac
                 continue
             v = get(g.facts)
             if v is not None:
-                yield (str(g.facts.index),), float(v)
+                yield {"gpu": str(g.facts.index)}, float(v)
 
     return extract
 
@@ -294,31 +297,32 @@ def _gpu_value(get: Callable[..., float | None], only_up: bool = True) -> Extrac
 def _gpu_info(a: Accounts) -> Iterator[Sample]:
     for g in a.gpus:
         f = g.facts
-        yield (str(f.index), f.uuid or "", f.name or "", a.driver_version or "", "true" if f.mig else "false"), 1.0
+        yield {"gpu": str(f.index), "uuid": f.uuid or "", "name": f.name or "", "driver_version": a.driver_version or "",
+               "mig": "true" if f.mig else "false"}, 1.0
 
 
 def _gpu_process(a: Accounts) -> Iterator[Sample]:
     for g in a.gpus:
         for engine, b in sorted(g.process_bytes.items()):
-            yield (str(g.facts.index), engine), float(b)
+            yield {"gpu": str(g.facts.index), "engine": engine}, float(b)
 
 
 def _budget(a: Accounts) -> Iterator[Sample]:
     for t in a.budget:
-        yield (str(t.gpu), t.engine, t.category, t.source), float(t.bytes)
+        yield {"gpu": str(t.gpu), "engine": t.engine, "category": t.category, "provenance": t.source}, float(t.bytes)
 
 
 def _gpu_slack(a: Accounts) -> Iterator[Sample]:
     for g in a.gpus:
         if g.budget_slack is not None:
-            yield (str(g.facts.index),), float(g.budget_slack)
+            yield {"gpu": str(g.facts.index)}, float(g.budget_slack)
 
 
 def _unaccounted(a: Accounts) -> Iterator[Sample]:
     for g in a.gpus:
         if g.unaccounted is not None:
             for basis, v in g.unaccounted.series():
-                yield (str(g.facts.index), basis), float(v)
+                yield {"gpu": str(g.facts.index), "basis": basis}, float(v)
 
 
 def _host_limit(attr: str) -> Extract:
@@ -326,7 +330,7 @@ def _host_limit(attr: str) -> Extract:
         for e in a.engines:
             lim = getattr(e.host, attr)
             if lim is not None:
-                yield (e.name, lim.kind), float(lim.value)
+                yield {"engine": e.name, "limit": lim.kind}, float(lim.value)
 
     return extract
 
@@ -335,25 +339,26 @@ def _socket_queue(a: Accounts) -> Iterator[Sample]:
     for e in a.engines:
         for direction, v in (("send", e.host.socket_send_queue_bytes), ("receive", e.host.socket_receive_queue_bytes)):
             if v is not None:
-                yield (e.name, direction), float(v)
+                yield {"engine": e.name, "direction": direction}, float(v)
 
 
 def _reported_memory(a: Accounts) -> Iterator[Sample]:
     for e in a.engines:
         for memory_type, b in sorted(e.facts.reported_memory.items()):
-            yield (e.name, memory_type), float(b)
+            yield {"engine": e.name, "memory_type": memory_type}, float(b)
 
 
 def _policy_info(a: Accounts) -> Iterator[Sample]:
     for e in a.engines:
         f = e.facts
-        yield (e.name, e.sharing, f.admission or "unknown", f.overflow or "unknown", "per-request"), 1.0
+        yield {"engine": e.name, "sharing": e.sharing, "admission": f.admission or "unknown",
+               "overflow": f.overflow or "unknown", "tenant_rule": "per-request"}, 1.0
 
 
 def _engine_info(a: Accounts) -> Iterator[Sample]:
     for e in a.engines:
         f = e.facts
-        yield (e.name, f.kind, f.version or "", f.source), 1.0
+        yield {"engine": e.name, "kind": f.kind, "version": f.version or "", "source": f.source}, 1.0
 
 
 def _health(get: Callable[..., float | None]) -> Extract:
@@ -361,7 +366,7 @@ def _health(get: Callable[..., float | None]) -> Extract:
         for h in a.health:
             v = get(h)
             if v is not None:
-                yield (h.engine, h.source), float(v)
+                yield {"engine": h.engine, "source": h.source}, float(v)
 
     return extract
 
@@ -369,29 +374,29 @@ def _health(get: Callable[..., float | None]) -> Extract:
 def _source_errors(a: Accounts) -> Iterator[Sample]:
     for h in a.health:
         for reason, n in sorted(h.errors.items()):
-            yield (h.engine, h.source, reason), float(n)
+            yield {"engine": h.engine, "source": h.source, "reason": reason}, float(n)
 
 
 def _kv_events(a: Accounts) -> Iterator[Sample]:
     for e in a.engines:
         for kind, n in sorted(e.facts.kv_events.items()):
-            yield (e.name, kind), float(n)
+            yield {"engine": e.name, "type": kind}, float(n)
 
 
 def _invariants(a: Accounts) -> Iterator[Sample]:
     for (engine, check), n in sorted(a.invariant_totals.items()):
-        yield (engine, check), float(n)
+        yield {"engine": engine, "check": check}, float(n)
 
 
 def _labels_limited(a: Accounts) -> Iterator[Sample]:
     for (engine, label, action), n in sorted(a.labels_limited.items()):
-        yield (engine, label, action), float(n)
+        yield {"engine": engine, "label": label, "action": action}, float(n)
 
 
 def _config_reload(value: Callable[[ConfigReload], float]) -> Callable[[Accounts], Iterator[Sample]]:
     def samples(a: Accounts) -> Iterator[Sample]:
         if a.config_reload is not None:
-            yield (), value(a.config_reload)
+            yield {}, value(a.config_reload)
 
     return samples
 
@@ -399,14 +404,15 @@ def _config_reload(value: Callable[[ConfigReload], float]) -> Callable[[Accounts
 def _group_info(a: Accounts) -> Iterator[Sample]:
     for e, p in _pools(a):
         for g in p.groups:
-            yield (e.name, p.pool, g.group, g.kind, "" if g.window is None else str(g.window)), 1.0
+            yield {"engine": e.name, "pool": p.pool, "group": g.group, "layer_type": g.kind,
+                   "window_tokens": "" if g.window is None else str(g.window)}, 1.0
 
 
 def _group_in_use(a: Accounts) -> Iterator[Sample]:
     for e, p in _pools(a):
         for g in p.groups:
             if g.in_use is not None and g.in_use.exact is not None:
-                yield (e.name, p.pool, g.group), float(g.in_use.exact)
+                yield {"engine": e.name, "pool": p.pool, "group": g.group}, float(g.in_use.exact)
 
 
 def _group_reserved(a: Accounts) -> Iterator[Sample]:
@@ -414,12 +420,12 @@ def _group_reserved(a: Accounts) -> Iterator[Sample]:
         for g in p.groups:
             if g.reserved is not None:
                 for basis, v in g.reserved.series():
-                    yield (e.name, p.pool, g.group, basis), float(v)
+                    yield {"engine": e.name, "pool": p.pool, "group": g.group, "basis": basis}, float(v)
 
 
 def _build_info(a: Accounts) -> Iterator[Sample]:
     b = build_info()
-    yield (b.version, b.revision, b.python_version), 1.0
+    yield {"version": b.version, "revision": b.revision, "python_version": b.python_version}, 1.0
 
 
 # ---------------------------------------------------------------- renames
@@ -502,8 +508,8 @@ CATALOG: tuple[MetricSpec, ...] = (
                "Tokens the pool can hold (blocks per layer group x block size).",
                _pool_value(lambda p: p.token_capacity)),
     MetricSpec("kvledger_kv_group_info", "gauge", "", "kv", ("engine", "pool", "group", "layer_type", "window_tokens"),
-               "A KV-cache group sharing the pool (a hybrid model's layers of one type: full_attention, "
-               "sliding_window, chunked_local_attention, mamba) and the tokens its window or chunk spans; 1. A "
+               f"A KV-cache group sharing the pool (a hybrid model's layers of one type: {', '.join(GROUP_KINDS)}) "
+               "and the tokens its window or chunk spans; 1. A "
                "block belongs to one group at a time; every request holds blocks in every group.", _group_info),
     MetricSpec("kvledger_kv_group_in_use_blocks", "gauge", "blocks", "kv", ("engine", "pool", "group"),
                "Unique blocks of the pool the group's requests reference (exact; the groups' sum is at most the "

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
+from operator import itemgetter
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
@@ -26,7 +27,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvledger.domain.accounts import Accounts, EngineAccount
 from kvledger.domain.limits import MAX_SAFE_INT
-from kvledger.output.catalog import CATALOG, MetricSpec
+from kvledger.output.catalog import CATALOG, Labels, MetricSpec
 
 log = logging.getLogger("kvledger.output")
 
@@ -44,8 +45,8 @@ def build_family(spec: MetricSpec, accounts: Accounts | None) -> Metric:
     else:
         family = GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
     if accounts is not None:
-        for labels, value in spec.samples(accounts):
-            family.add_metric(labels, value)
+        for labels, value in spec.labelled(accounts):
+            family.add_metric(list(labels.values()), value)  # in the family's order (``labelled``)
     return family
 
 
@@ -83,6 +84,8 @@ def _escape_value(text: str) -> str:
 
 
 def _number(value: float) -> str:
+    if -math.inf < value < math.inf:  # finite: the one test most values take
+        return repr(float(value))
     if value == math.inf:
         return "+Inf"
     if value == -math.inf:
@@ -190,8 +193,8 @@ def _render(accounts: Accounts | None, headers: dict[str, str]) -> bytes:
         out.append(headers[spec.name])
         if accounts is None:
             continue
-        if spec.name in ENGINE_FAMILIES:
-            out.extend(lines.get(spec.name, "") for lines in per_engine)
+        if spec.name in ENGINE_FAMILIES:  # every engine's lines name every engine family
+            out.extend(map(itemgetter(spec.name), per_engine))
             continue
         try:
             out.append(_family_lines(spec, accounts, check=False))
@@ -208,6 +211,7 @@ ENGINE_FAMILIES = frozenset(
     if spec.group in ("kv", "scheduler", "tenant", "host")
     or spec.name in ("kvledger_policy_info", "kvledger_engine_info", "kvledger_engine_reported_memory_bytes")
 )
+_ENGINE_SPECS = tuple(spec for spec in CATALOG if spec.name in ENGINE_FAMILIES)
 
 
 def engine_lines(account: EngineAccount, accounts: Accounts | None = None, *, check: bool = True) -> dict[str, str]:
@@ -220,9 +224,7 @@ def engine_lines(account: EngineAccount, accounts: Accounts | None = None, *, ch
         alone = Accounts([account], [], [], None, [], accounts.sharing if accounts else account.sharing,
                          accounts.taken_at if accounts else 0.0)
         rendered = {}
-        for spec in CATALOG:
-            if spec.name not in ENGINE_FAMILIES:
-                continue
+        for spec in _ENGINE_SPECS:
             if check:
                 rendered[spec.name] = _family_lines(spec, alone, check=True)
                 continue
@@ -237,8 +239,12 @@ def engine_lines(account: EngineAccount, accounts: Accounts | None = None, *, ch
 
 def _family_lines(spec: MetricSpec, accounts: Accounts, *, check: bool) -> str:
     """The sample lines of one family (no header); with ``check``, ValueError for a value or
-    a label value the exposition cannot carry (``check_renderable``)."""
+    a label value the exposition cannot carry (``check_renderable``). A sample's labels are
+    read by name, written in the family's order (``spec.labels``); a sample whose names are
+    not the family's is a ValueError (a name it lacks: KeyError)."""
     names = spec.labels
+    count = len(names)
+    key_of = _KEYS[spec.name]
     lines: list[str] = []
     prefixes = _PREFIXES[spec.name]
     if len(prefixes) > MAX_PREFIXES:
@@ -246,44 +252,75 @@ def _family_lines(spec: MetricSpec, accounts: Accounts, *, check: bool) -> str:
     for labels, value in spec.samples(accounts):
         if check and not -MAX_SAFE_INT <= value <= MAX_SAFE_INT:
             _check_value(spec, labels, value)
-        prefix = prefixes.get(labels)  # made from Accounts the collector checked (check_renderable)
+        key = key_of(labels)  # the values of the family's names, taken by name (one missing: KeyError)
+        if len(labels) != count:  # every name there and no other, whether or not the prefix is kept
+            _check_names(spec, labels)
+        prefix = prefixes.get(key)  # made from Accounts the collector checked (check_renderable)
         if prefix is None:
-            if check:
-                _check_labels(spec, labels)
+            _check_labels(spec, labels)  # always: a kept prefix is of checked label values (_checked_lines)
             if names:
-                pairs = ",".join(f'{n}="{_escape_value(v)}"' for n, v in zip(names, labels, strict=True))
+                pairs = ",".join(f'{n}="{_escape_value(labels[n])}"' for n in names)
                 prefix = f"{spec.name}{{{pairs}}} "
             else:
                 prefix = f"{spec.name} "
-            prefixes[labels] = prefix
-        number = _NUMBERS.get(value)
-        if number is None:
-            number = _number(value)
-        lines.append(prefix + number + "\n")
+            prefixes[key] = prefix
+        end = _LINE_ENDS.get(value)
+        if end is None:
+            end = _line_end(value)
+        lines.append(prefix + end)
     return "".join(lines)
 
 
-#: each family's sample prefixes (``name{labels} ``) by label values: the same series come back
-#: at every render, and formatting their labels was half of a render's time; emptied past
-#: MAX_PREFIXES entries in a family (series come and go)
-_PREFIXES: dict[str, dict[tuple[str, ...], str]] = {spec.name: {} for spec in CATALOG}
+def _key_of(names: tuple[str, ...]) -> Callable[[Labels], Hashable]:
+    """What keys a family's sample prefix: the values of its label names, each taken by name
+    (one name: the value itself; none: the empty tuple)."""
+    if not names:
+        return lambda labels: ()
+    getter: Callable[[Labels], Hashable] = itemgetter(*names)
+    return getter
+
+
+#: each family's sample prefixes (``name{labels} ``) by label values (``_KEYS``): the same series
+#: come back at every render, and formatting their labels was half of a render's time; emptied
+#: past MAX_PREFIXES entries in a family (series come and go)
+_PREFIXES: dict[str, dict[Hashable, str]] = {spec.name: {} for spec in CATALOG}
+_KEYS: dict[str, Callable[[Labels], Hashable]] = {spec.name: _key_of(spec.labels) for spec in CATALOG}
 MAX_PREFIXES = 100_000
-#: the values most samples take, formatted once
-_NUMBERS = {float(v): repr(float(v)) for v in range(0, 1025)}
+#: the values most samples take, formatted once (with the line's end), and the values rendered
+#: since (capacities, budgets and sizes come back at every render), up to MAX_LINE_ENDS of them
+_SMALL = {float(v): repr(float(v)) + "\n" for v in range(0, 1025)}
+_LINE_ENDS = dict(_SMALL)
+MAX_LINE_ENDS = 20_000
 
 
-def _check_value(spec: MetricSpec, labels: tuple[str, ...], value: float) -> None:
+def _line_end(value: float) -> str:
+    end = _number(value) + "\n"
+    if -math.inf < value < math.inf:  # NaN is never equal to itself: never kept
+        if len(_LINE_ENDS) >= MAX_LINE_ENDS:  # values come and go (timestamps): start again
+            _LINE_ENDS.clear()
+            _LINE_ENDS.update(_SMALL)
+        _LINE_ENDS[value] = end
+    return end
+
+
+def _check_value(spec: MetricSpec, labels: Labels, value: float) -> None:
     if not -MAX_SAFE_INT <= value <= MAX_SAFE_INT:  # NaN compares false too
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{spec.name}: value {value!r} is not finite")
-        shown = ",".join(f'{n}="{v}"' for n, v in zip(spec.labels, labels, strict=False))
+        shown = ",".join(f'{n}="{v}"' for n, v in labels.items())
         number = repr(value) if abs(value) < 1e30 else "of more than 30 digits"
         raise ValueError(f"{spec.name}{{{shown[:200]}}}: value {number} is beyond 2**53 - 1, "
                          "where a float no longer holds every integer")
 
 
-def _check_labels(spec: MetricSpec, labels: tuple[str, ...]) -> None:
-    for label in labels:
+def _check_names(spec: MetricSpec, labels: Labels) -> None:
+    """A sample names exactly its family's labels (a bug of ours otherwise: tests/test_metric_names.py)."""
+    if len(labels) != len(spec.labels) or not all(n in labels for n in spec.labels):
+        raise ValueError(f"{spec.name}: a sample's labels {sorted(labels)} are not the family's {list(spec.labels)}")
+
+
+def _check_labels(spec: MetricSpec, labels: Labels) -> None:
+    for label in labels.values():
         if not isinstance(label, str) or "\x00" in label:
             raise ValueError(f"{spec.name}: label value {label!r} is not text")
         label.encode("utf-8")
@@ -302,20 +339,73 @@ def check_renderable(accounts: Accounts) -> None:
     a sum over data-parallel ranks, API servers or series (running requests, prefix-cache
     tokens), a count of lost KV events or a reservation bound computed from them is only
     known here, after the policy. A larger value would be exported rounded (2**53 + 1 reads
-    2**53): the engine is invalid instead."""
+    2**53): the engine is invalid instead.
+
+    Accounts of one engine whose lines are not made yet get them made by the check itself, in
+    its pass over each engine family's samples (kept on the account, as ``engine_lines`` keeps
+    them): a scrape of a fleet whose every engine changed then joins lines instead of reading
+    every sample a second time, and label values are checked once per family while their
+    prefix is kept, not at every check (docs/performance.md)."""
+    engine = accounts.engines[0] if len(accounts.engines) == 1 and accounts.engines[0].rendered is None else None
+    rendered: dict[str, str] = {}
+    ends = _LINE_ENDS
     for spec in CATALOG:
+        if engine is not None and spec.name in ENGINE_FAMILIES:  # _checked_lines inlined: a call per family cost as much as its samples
+            get = _PREFIXES[spec.name].get
+            key_of = _KEYS[spec.name]
+            count = len(spec.labels)
+            out: list[str] = []
+            append = out.append
+            for labels, value in spec.samples(accounts):
+                if not -MAX_SAFE_INT <= value <= MAX_SAFE_INT:  # NaN compares false too
+                    _check_value(spec, labels, value)
+                try:
+                    prefix = get(key_of(labels))
+                except TypeError:
+                    raise ValueError(f"{spec.name}: a label value is not text: {labels!r}"[:300]) from None
+                if len(labels) != count:  # every name there and no other, as _family_lines checks
+                    _check_names(spec, labels)
+                if prefix is None:  # label values not checked yet: the family's values, then its labels
+                    rendered[spec.name] = _checked_lines(spec, accounts)
+                    break
+                end = ends.get(value)
+                if end is None:
+                    end = _line_end(value)
+                append(prefix)
+                append(end)
+            else:
+                rendered[spec.name] = "".join(out)
+            continue
         seen: set[object] = set()  # each distinct label value is checked once (they repeat: engine, pool, basis)
         for labels, value in spec.samples(accounts):
             if not -MAX_SAFE_INT <= value <= MAX_SAFE_INT:  # NaN compares false too
                 _check_value(spec, labels, value)
             try:
-                seen.update(labels)
+                seen.update(labels.values())
             except TypeError:
                 raise ValueError(f"{spec.name}: a label value is not text: {labels!r}"[:300]) from None
         for label in seen:
             if not isinstance(label, str) or "\x00" in label:
                 raise ValueError(f"{spec.name}: label value {label!r} is not text")
             label.encode("utf-8")
+    if engine is not None:
+        engine.rendered = rendered
+
+
+def _checked_lines(spec: MetricSpec, accounts: Accounts) -> str:
+    """The lines of one family of ``accounts``, checked as ``check_renderable`` checks a family
+    (every value, then the label values): the values in a first pass, then, for the samples
+    whose label values have no prefix yet, their names and values (``_family_lines`` with its
+    check makes and keeps their prefixes, of checked label values only)."""
+    key_of = _KEYS[spec.name]
+    for labels, value in spec.samples(accounts):
+        if not -MAX_SAFE_INT <= value <= MAX_SAFE_INT:  # NaN compares false too
+            _check_value(spec, labels, value)
+        try:
+            hash(key_of(labels))
+        except TypeError:
+            raise ValueError(f"{spec.name}: a label value is not text: {labels!r}"[:300]) from None
+    return _family_lines(spec, accounts, check=True)
 
 
 def process_registry() -> CollectorRegistry:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 
 from kvledger.domain.facts import (
-    MAMBA,
-    WINDOW_GROUP_KINDS,
+    GROUPS,
     AdmissionEstimate,
+    GroupHolding,
     KvGroupFacts,
     PoolFacts,
     RequestFacts,
@@ -99,15 +99,21 @@ def request_blocks(
     return total
 
 
+#: the shape of a stated KV-cache group by how its kind holds blocks (``GROUPS``: a new group
+#: kind is one entry there, this formula chosen by its holding): a window group (a sliding
+#: window, a local-attention chunk: a chunk of C tokens never needs more than a window of C)
+#: holds at most the blocks its span covers, a state group its state blocks per context,
+#: a tokens group (full attention) every block
+GROUP_SHAPES: dict[GroupHolding, Callable[[KvGroupFacts], GroupShape]] = {
+    "tokens": lambda group: GroupShape(None, 1),
+    "window": lambda group: GroupShape(group.window, 1),
+    "state": lambda group: GroupShape(None, 1, state_blocks=group.state_blocks or 1),
+}
+
+
 def group_shape(group: KvGroupFacts) -> GroupShape:
-    """The shape of one stated KV-cache group: a sliding window or a local-attention chunk
-    holds at most the blocks its span covers (a chunk of C tokens never needs more than a
-    window of C), a state group its state blocks per context, full attention every block."""
-    if group.kind == MAMBA:
-        return GroupShape(None, 1, state_blocks=group.state_blocks or 1)
-    if group.kind in WINDOW_GROUP_KINDS:
-        return GroupShape(group.window, 1)
-    return GroupShape(None, 1)
+    """The shape of one stated KV-cache group (``GROUP_SHAPES`` of its kind's holding)."""
+    return GROUP_SHAPES[GROUPS[group.kind]](group)
 
 
 def cap_blocks(pool: PoolFacts, max_model_len: int) -> int:

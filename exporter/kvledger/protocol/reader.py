@@ -56,8 +56,8 @@ from kvledger.domain.facts import (
     COUNTER_NAMES,
     GROUP_KINDS,
     LIMIT_KINDS,
-    MAMBA,
     OVERFLOWS,
+    STATE_GROUP_KINDS,
     TERM_SOURCES,
     WINDOW_GROUP_KINDS,
     AdmissionEstimate,
@@ -399,7 +399,7 @@ def _groups(raw: object, path: str) -> tuple[KvGroupFacts, ...]:
                 id=gid,
                 kind=kind,
                 window=window if kind in WINDOW_GROUP_KINDS else None,
-                state_blocks=(state_blocks or 1) if kind == MAMBA else None,
+                state_blocks=(state_blocks or 1) if kind in STATE_GROUP_KINDS else None,
                 in_use=_opt(g, "in_use", where, _int, 0, MAX_BLOCKS),
             )
         )

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+import kvledger.collect.sources.kinds  # noqa: F401  (every kind's registration: fills KINDS)
 from kvledger.config.engine_kinds import KINDS
 from kvledger.config.types import EngineConfig, HostConfig, LimitConfig, MemoryConfig, ProcessMatch, TenantConfig
 from kvledger.sim.engine import GiB, SimEngine, SimProfile

@@ -5,7 +5,8 @@
   (kvledger.output.catalog.REASONS): docs/metrics.md;
 - the configuration reference from the typed configuration (kvledger.config.reference):
   docs/configuration.md;
-- the table of engine kinds from their registrations (kvledger.config.engine_kinds):
+- the table of engine kinds from their registrations (kvledger.collect.sources.kinds fills
+  kvledger.config.engine_kinds.KINDS):
   docs/engines/index.md (and any target that holds its markers; README.md is kept in the
   list so that a generated section placed there stays fresh).
 
@@ -24,6 +25,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import kvledger.collect.sources.kinds  # noqa: F401  (every kind's registration: fills KINDS)
 from kvledger.config.engine_kinds import KINDS, PLANNED
 from kvledger.config.reference import rows
 from kvledger.output.catalog import CATALOG, LABELS, REASONS

@@ -19,7 +19,10 @@ counted slot by slot from SGLang's own objects, independently of SGLang's gauges
 - ``in_use``: the union of the request slots and the protected tree slots (what no eviction can
   take), and ``unaccounted``: slots in none of free, tree or requests (a leak; 0 expected);
 - ``running`` / ``waiting``, per-request rows, and the retractions seen by a hook on
-  ``ScheduleBatch.retract_decode`` (requests and the tokens they held when retracted).
+  ``ScheduleBatch.retract_decode`` (requests and the tokens they held when retracted);
+- ``running_batch``: every request in SGLang's running batch, finished ones included (those
+  that finished in the last step stay there until the next batch is formed; SGLang's
+  ``num_running_reqs`` counts them).
 
 Read it while the engine is paused (``POST /pause_generation {"mode": "in_place"}`` followed by
 a request that goes through the scheduler, e.g. ``GET /server_info``). Standard library only
@@ -136,6 +139,7 @@ def recount(scheduler: Any) -> dict[str, Any]:
             "outside_the_pool": len((free | tree | request_slots) - every),
         },
         "running": len(running),
+        "running_batch": len(scheduler.running_batch.reqs),
         "waiting": len(waiting),
         "rows_in_use": int(scheduler.req_to_token_pool.size) - len(scheduler.req_to_token_pool.free_slots),
         "requests": rows,

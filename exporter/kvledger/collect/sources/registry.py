@@ -1,36 +1,31 @@
 """Builds the sources and the config-derived base facts of each configured engine.
 
-``SOURCES`` names the source class of every engine kind (``kvledger.config.engine_kinds``)
-by reference: a reader and an IDE follow ``kind: sglang`` to ``SglangSource``."""
+Each kind's source class is named, by reference, in its registration
+(``collect/sources/<kind>/kind.py``: ``EngineKind.source``), which
+``kvledger.collect.sources.kinds`` imports: a reader and an IDE follow ``kind: sglang`` to
+``SglangSource``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
+import kvledger.collect.sources.kinds  # noqa: F401  (every kind's registration: fills KINDS)
 from kvledger.collect.merge import configured_facts
 from kvledger.collect.sources.base import Source, SourceError
-from kvledger.collect.sources.document import LedgerSource
-from kvledger.collect.sources.llamacpp.source import LlamacppSource
-from kvledger.collect.sources.sglang.source import SglangSource
-from kvledger.collect.sources.tgi.source import TgiSource
-from kvledger.collect.sources.triton_trtllm.source import TritonTrtllmSource
-from kvledger.collect.sources.trtllm.source import TrtllmSource
-from kvledger.collect.sources.vllm.source import VllmSource
 from kvledger.config.engine_kinds import KINDS
 from kvledger.config.types import Config, ConfigError, EngineConfig
 from kvledger.domain.facts import EngineFacts
 
-#: engine kind -> its Source class, constructed with the engine's EngineConfig; every kind
-#: of ``KINDS`` has one (tests/test_engine_kind_in_one_folder.py holds the two together)
-SOURCES: dict[str, Callable[[EngineConfig], Source]] = {
-    "ledger": LedgerSource,
-    "vllm": VllmSource,
-    "sglang": SglangSource,
-    "trtllm": TrtllmSource,
-    "triton-trtllm": TritonTrtllmSource,
-    "tgi": TgiSource,
-    "llamacpp": LlamacppSource,
-}
+
+def kind_source(cfg: EngineConfig) -> Source:
+    """The source of ``cfg``'s kind (its registration's class), built with ``cfg``."""
+    if cfg.kind not in KINDS:
+        raise ConfigError(f"engine {cfg.name!r}: kind {cfg.kind!r} is not registered (kvledger.collect.sources.kinds); "
+                          f"kinds: {', '.join(KINDS)}")
+    source = KINDS[cfg.kind].source(cfg)
+    if not isinstance(source, Source):
+        raise TypeError(f"kind {cfg.kind!r}: its registration's source built {type(source).__name__}, not a Source")
+    return source
 
 
 def base_engine_facts(cfg: EngineConfig) -> EngineFacts:
@@ -46,10 +41,7 @@ def engine_sources(cfg: EngineConfig) -> list[Source]:
 
 
 def _engine_sources(cfg: EngineConfig) -> list[Source]:
-    if cfg.kind not in SOURCES:  # a kind registered without its source class
-        raise ConfigError(f"engine {cfg.name!r}: kind {cfg.kind!r} has no source (kvledger.collect.sources.registry.SOURCES); "
-                          f"kinds with one: {', '.join(k for k in KINDS if k in SOURCES)}")
-    sources: list[Source] = [SOURCES[cfg.kind](cfg)]
+    sources: list[Source] = [kind_source(cfg)]
     if cfg.host.port is not None:
         from kvledger.collect.sources.host_sockets import HostSocketSource
 

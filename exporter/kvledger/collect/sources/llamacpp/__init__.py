@@ -1,6 +1,8 @@
 """The ``kind: llamacpp`` source: a stock llama.cpp server (``llama-server``) read without
 engine changes (docs/engines/llamacpp.md).
 
+- ``kind``: the kind's registration (``LlamacppSource``, its keys and rules; imported by
+  ``kvledger.collect.sources.kinds``);
 - ``source``: the Source (``LlamacppSource``): GET /props, /slots and /metrics through the
   HTTP client, each within what is left of the poll's deadline;
 - ``documents``: the JSON of /slots and /props -> validated ``Slot`` and ``Props`` values;

@@ -2,5 +2,7 @@
 
 - ``metrics``: the ``nv_trt_llm_*`` families (both the ``_metrics`` and the first
   ``_statistics`` spellings) -> engine facts, one pool per served TensorRT-LLM model;
+- ``kind``: the kind's registration (``TritonTrtllmSource``, its keys and rules; imported by
+  ``kvledger.collect.sources.kinds``);
 - ``source``: the Source (``TritonTrtllmSource``).
 """

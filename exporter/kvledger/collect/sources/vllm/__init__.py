@@ -1,5 +1,7 @@
 """The ``kind: vllm`` source: a stock vLLM read without engine changes.
 
+- ``kind``: the kind's registration (``VllmSource``, its keys and rules; imported by
+  ``kvledger.collect.sources.kinds``);
 - ``source``: the Source (``VllmSource``): /metrics through the HTTP client, merged with
   the sub-sources below;
 - ``metrics``: vLLM's /metrics text (0.10.2 through current names) -> engine facts;
