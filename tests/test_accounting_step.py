@@ -154,52 +154,8 @@ def test_the_render_check_is_the_callers() -> None:
     a, b = healthy("a"), healthy("b")
     result = account_snapshot(Snapshot(engines=[a, b]), {"a": reported(a), "b": reported(b)}, LIMITS, AccountCache(), refuse_b)
     assert [e.name for e in result.accounts.engines] == ["a"] and str(result.invalid["b"]) == "b cannot be rendered"
-    # the new accounts together; as that fails, each engine alone decides; then the GPUs
-    assert [[e.name for e in x.engines] for x in seen] == [["a", "b"], ["a"], ["b"], []]
+    assert [[e.name for e in x.engines] for x in seen] == [["a"], ["b"], []]  # each engine alone, then the GPUs
     assert Collector([]).render_check is check_renderable  # the collector's default: the output side's check
-
-
-def test_engines_rendered_together_are_judged_as_each_alone() -> None:
-    """The render check runs once over every new account (a busy cycle walks the catalogue
-    once, not once per engine); where that fails, each engine alone decides, so a check
-    that refuses what it sees together refuses no engine, and a refused engine is the
-    one a check of it alone refuses."""
-    seen: list[list[str]] = []
-
-    def refuse_crowds(accounts: Accounts) -> None:
-        seen.append([e.name for e in accounts.engines])
-        if len(accounts.engines) > 1:
-            raise ValueError("more than one engine")
-
-    engines = [healthy(name) for name in ("a", "b", "c")]
-    inputs = {e.name: reported(e) for e in engines}
-    cache = AccountCache()
-    result = account_snapshot(Snapshot(engines=engines), inputs, LIMITS, cache, refuse_crowds)
-    assert [e.name for e in result.accounts.engines] == ["a", "b", "c"] and result.invalid == {}
-    assert seen == [["a", "b", "c"], ["a"], ["b"], ["c"], []]
-    seen.clear()
-    result = account_snapshot(Snapshot(engines=engines), inputs, LIMITS, cache, refuse_crowds)
-    assert seen == [[]] and [e.name for e in result.accounts.engines] == ["a", "b", "c"]  # unchanged: not checked again
-
-    # with the real check: all together once; an engine that cannot be rendered is refused
-    # alone, in its place, with what the check of it alone says
-    nul = dataclasses.replace(healthy("nul"), pools=[dataclasses.replace(healthy().pools[0], id="p\x00")])
-    mixed = [engines[0], nul, engines[2]]
-    calls: list[list[str]] = []
-
-    def counted(accounts: Accounts) -> None:
-        calls.append([e.name for e in accounts.engines])
-        check_renderable(accounts)
-
-    result = account_snapshot(Snapshot(engines=mixed), {e.name: reported(e) for e in mixed}, LIMITS, AccountCache(), counted)
-    assert [e.name for e in result.accounts.engines] == ["a", "c"] and list(result.invalid) == ["nul"]
-    with pytest.raises(ValueError) as alone:
-        check_renderable(accounting.alone(engine_account(nul, "per-request"), Snapshot()))
-    assert str(result.invalid["nul"]) == str(alone.value) and "is not text" in str(alone.value)
-    assert calls == [["a", "nul", "c"], ["a"], ["nul"], ["c"], []]
-    calls.clear()
-    step_result = account_snapshot(Snapshot(engines=engines), inputs, LIMITS, AccountCache(), counted)
-    assert calls == [["a", "b", "c"], []] and step_result.invalid == {}
 
 
 def test_an_unchanged_engine_reuses_its_account() -> None:

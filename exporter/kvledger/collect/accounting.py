@@ -165,43 +165,34 @@ def account_snapshot(
     sharing = snapshot.sharing
     result = AccountingResult(Accounts([], [], [], snapshot.driver_version, [], sharing, snapshot.taken_at))
     kept: dict[str, CachedAccount] = {}
-    # first every engine's account, then the render check of the new ones, then the results in order
-    work: list[tuple[str, EngineInputs, AccountKey, CachedAccount | EngineAccount | BaseException, LimitCounts | None]] = []
     for facts in snapshot.engines:
         name = facts.name
         given = inputs.get(name) or EngineInputs()
         key = AccountKey(given.configured, given.contributions, sharing, limits)
         cached = cache.lookup(name, key)
         if cached is not None:  # the same inputs as last cycle: the same account, already checked
-            work.append((name, given, key, cached, cached.limited))
+            result.accounts.engines.append(cached.account)
+            result.limited[name] = cached.limited
+            result.invariants[name] = list(cached.account.invariant_violations)
+            kept[name] = cached
             continue
         limited: LimitCounts | None = None
         try:
             limited_facts, limited = limit_labels(facts, limits)
-            work.append((name, given, key, engine_account(limited_facts, sharing), limited))
-        except Exception as exc:  # facts the label limits or the policy cannot carry
-            work.append((name, given, key, exc, exc.counts if isinstance(exc, LabelLimitError) else limited))
-    unrenderable = _unrenderable([w[3] for w in work if isinstance(w[3], EngineAccount)], snapshot, render_check)
-    for name, given, key, done, limited in work:
-        if isinstance(done, CachedAccount):
-            result.accounts.engines.append(done.account)
-            result.limited[name] = done.limited
-            result.invariants[name] = list(done.account.invariant_violations)
-            kept[name] = done
-            continue
-        if limited is not None:
             result.limited[name] = limited
-        problem = unrenderable.get(id(done)) if isinstance(done, EngineAccount) else done
-        if problem is not None:  # facts the label limits, the policy or the renderer cannot carry
-            result.invalid[name] = problem
+            account = engine_account(limited_facts, sharing)
+            render_check(alone(account, snapshot))
+        except Exception as exc:  # facts the label limits, the policy or the renderer cannot carry
+            if isinstance(exc, LabelLimitError):
+                result.limited[name] = exc.counts
+            result.invalid[name] = exc
             fallback = _configured_account(given, snapshot, render_check)
             if fallback is not None:
                 result.accounts.engines.append(fallback)
             continue
-        assert isinstance(done, EngineAccount) and limited is not None
-        result.invariants[name] = list(done.invariant_violations)
-        result.accounts.engines.append(done)
-        kept[name] = CachedAccount(key, done, limited)
+        result.invariants[name] = list(account.invariant_violations)
+        result.accounts.engines.append(account)
+        kept[name] = CachedAccount(key, account, limited)
     cache.replace(kept)
 
     engines = [a.facts for a in result.accounts.engines]
@@ -216,31 +207,6 @@ def account_snapshot(
         gpus = []
     result.accounts.gpus = gpus
     return result
-
-
-def _unrenderable(accounts: list[EngineAccount], snapshot: Snapshot, render_check: RenderCheck) -> dict[int, BaseException]:
-    """Why each of ``accounts`` that cannot be rendered alone cannot (by ``id``). They are
-    checked together first, in one pass over the catalogue instead of one per engine (its
-    families cost as much to walk for one engine as for several); only when that fails is
-    each checked alone, so an engine is judged exactly as alone. (The samples of several
-    engines are the samples of each, as every family of the catalogue walks the engines and
-    their budget terms one by one; tests/test_accounting_step.py holds the two ways alike.)
-    A cycle in which an engine cannot be rendered costs one walk more than checking each
-    alone did; every other busy cycle one walk in all."""
-    if len(accounts) > 1:
-        together = Accounts(accounts, [], budget_terms([a.facts for a in accounts]), None, [], snapshot.sharing, snapshot.taken_at)
-        try:
-            render_check(together)
-            return {}
-        except Exception:  # one of them (at least) cannot be rendered: each alone says which
-            pass
-    failed: dict[int, BaseException] = {}
-    for account in accounts:
-        try:
-            render_check(alone(account, snapshot))
-        except Exception as exc:
-            failed[id(account)] = exc
-    return failed
 
 
 def _configured_account(given: EngineInputs, snapshot: Snapshot, render_check: RenderCheck) -> EngineAccount | None:
