@@ -37,7 +37,7 @@ class RequestTable(Sequence[RequestFacts]):
     """Requests as columns. ``ints`` maps each name of ``INT_COLUMNS`` to a list of ints;
     ``block_ids`` is None when no request lists its blocks."""
 
-    __slots__ = ("_arrays", "_ints", "_names", "block_ids", "ids", "output_bounds", "pools", "states", "tenants")
+    __slots__ = ("_arrays", "_ints", "_names", "_pool_names", "block_ids", "ids", "output_bounds", "pools", "states", "tenants")
 
     def __init__(
         self,
@@ -49,7 +49,9 @@ class RequestTable(Sequence[RequestFacts]):
         ints: dict[str, list[int]],
         block_ids: list[list[int] | None] | None = None,
         arrays: dict[str, np.ndarray] | None = None,
+        pool_names: set[str] | None = None,
     ) -> None:
+        """``pool_names``: the set of ``pools``, where the maker has it already."""
         n = len(ids)
         arrays = dict(arrays or {})
         columns: tuple[Any, ...] = (states, pools, tenants, output_bounds, *ints.values(), *arrays.values())
@@ -68,6 +70,13 @@ class RequestTable(Sequence[RequestFacts]):
         # the numeric columns: INT_COLUMNS', then any other integer field the wire defines
         # (a field the policy does not read yet rides along, readable by ``column``)
         self._names = (*INT_NAMES, *(name for name in (*ints, *arrays) if name not in INT_NAMES))
+        self._pool_names = pool_names
+
+    def pool_names(self) -> set[str]:
+        """The distinct pools of the requests (built once)."""
+        if self._pool_names is None:
+            self._pool_names = set(self.pools)
+        return self._pool_names
 
     @property
     def ints(self) -> dict[str, list[int]]:

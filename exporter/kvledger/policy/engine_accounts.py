@@ -7,8 +7,6 @@ which isolates an engine whose facts cannot be accounted), then its GPUs (``devi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from itertools import repeat
 
 import numpy as np
 
@@ -191,6 +189,13 @@ def admission_headroom(
 # ---------------------------------------------------------------- engines, tenants, GPUs
 
 
+class _Codes(dict[str | None, int]):
+    """Tenant names to their position; -1 for a name the configuration does not list."""
+
+    def __missing__(self, key: str | None) -> int:
+        return -1
+
+
 def tenant_accounts(engine: EngineFacts, pools: dict[str, PoolFacts], columns: dict[str, RequestColumns]) -> list[TenantAccount]:
     """Per tenant: the per-request rule (a quota covers what a tenant's requests may claim).
     Only tenants named in the configuration are exported (bounded cardinality)."""
@@ -199,17 +204,15 @@ def tenant_accounts(engine: EngineFacts, pools: dict[str, PoolFacts], columns: d
         return []
     if engine.requests is None:
         return [TenantAccount(engine.name, t.name, t.quota_bytes) for t in engine.tenants]
-    index: dict[str | None, int] = {name: i for i, name in enumerate(names)}
+    index = _Codes({name: i for i, name in enumerate(names)})
     k = len(names)
     blocks = np.zeros(k, dtype=np.int64)
     byte_sums: list[int | None] = [0] * k
-    counts = np.zeros((3, k), dtype=np.int64)  # running, waiting, preempted
+    counts = np.zeros(3 * k, dtype=np.int64)  # running, waiting, preempted (STATE_CODES) x tenant
     for pool_id, cols in columns.items():
-        lookup_tenant: Callable[[str | None, int], int] = index.get
-        tenant = np.fromiter(map(lookup_tenant, cols.tenants, repeat(-1)), dtype=np.int64, count=len(cols.tenants))
+        tenant = np.fromiter(map(index.__getitem__, cols.tenants), dtype=np.int64, count=len(cols.tenants))
         named = tenant >= 0
-        for row, mask in enumerate((cols.running, cols.waiting, cols.preempted)):
-            counts[row] += np.bincount(tenant[named & mask], minlength=k)
+        counts += np.bincount(cols.states[named].astype(np.int64) * k + tenant[named], minlength=3 * k)
         adm = named & cols.admitted
         pool_blocks = np.bincount(tenant[adm], weights=cols.claimed[adm], minlength=k).astype(np.int64)
         blocks += pool_blocks
@@ -218,7 +221,7 @@ def tenant_accounts(engine: EngineFacts, pools: dict[str, PoolFacts], columns: d
         for t, held in zip(nonzero.tolist(), pool_blocks[nonzero].tolist(), strict=True):
             current = byte_sums[t]
             byte_sums[t] = None if current is None or block_bytes is None else current + held * block_bytes
-    running, waiting, preempted = counts.tolist()
+    running, waiting, preempted = counts.reshape(3, k).tolist()
     return [
         TenantAccount(
             engine.name,
@@ -264,10 +267,11 @@ def engine_account(engine: EngineFacts, sharing: str) -> EngineAccount:
     slots: dict[str, int] = {}
     if engine.requests is not None:
         cols = list(columns.values())
+        state_counts = [c.state_counts() for c in cols]
         requests = {
-            "running": sum(int(c.running.sum()) for c in cols),
-            "waiting": sum(int(c.waiting.sum()) for c in cols),
-            "preempted": sum(int(c.preempted.sum()) for c in cols),
+            "running": sum(c[0] for c in state_counts),
+            "waiting": sum(c[1] for c in state_counts),
+            "preempted": sum(c[2] for c in state_counts),
         }
         slots = {
             "speculative": sum(int(c.speculative[c.running].sum()) for c in cols),

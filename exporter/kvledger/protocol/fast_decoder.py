@@ -170,6 +170,9 @@ def _known_pools(pools: list[Any], default_pool: str, capacity: dict[str, int]) 
 
 def _int_array(values: Any, n: int, default: Any) -> np.ndarray:
     """n integers; a null entry (None) as ``default``."""
+    first = values[0] if n else None
+    if n and values[-1] is first and values.count(first) == n:  # one value for all (contexts 1, ...): counted in C
+        return np.full(n, default if first is None else first, dtype=np.int64)
     try:
         return np.fromiter(values, dtype=np.int64, count=n)
     except TypeError:
@@ -268,10 +271,16 @@ def table_from_columns(cols: Any, default_pool: str, capacity: dict[str, int]) -
     block_ids: list[list[int] | None] | None = cols.block_ids
     if states is None or pools is None or tenants is None or bounds is None or (block_ids is not None and len(block_ids) != n):
         return None
-    known = _known_pools(pools, default_pool, capacity)
-    if known is None:
-        return None
-    pools, names = known
+    if isinstance(cols.pool, list):
+        known = _known_pools(pools, default_pool, capacity)
+        if known is None:
+            return None
+        pools, names = known
+    else:  # one pool for every request (absent or empty: the first pool)
+        name = cols.pool or default_pool
+        if n and name not in capacity:
+            return None
+        pools, names = [name] * n, {name} if n else set()
     if isinstance(cols.output_bound, list) and None in cols.output_bound:
         bounds = ["cap" if b is None else b for b in bounds]
     if block_ids is not None and block_ids.count(None) == n:
@@ -306,4 +315,4 @@ def _within_capacity(
         lengths = np.fromiter((0 if b is None else len(b) for b in block_ids), dtype=np.int64, count=n)
         if bool((lengths > cap).any()):
             return None
-    return RequestTable(ids, states, pools, tenants, bounds, {}, block_ids, arrays)
+    return RequestTable(ids, states, pools, tenants, bounds, {}, block_ids, arrays, names)

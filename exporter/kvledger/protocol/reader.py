@@ -236,17 +236,29 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
+def _in_range(value: object, conv: Any, args: tuple[Any, ...]) -> bool:
+    """Whether ``conv`` is ``_int`` and would return ``value`` as it is (the common case,
+    taken without building the path its errors would name)."""
+    return (type(value) is int and conv is _int
+            and (args[0] if args else 0) <= value <= (args[1] if len(args) > 1 else MAX_SAFE_INT))
+
+
 def _opt(d: Mapping[str, Any], key: str, path: str, conv: Any, *args: Any) -> Any:
     value = d.get(key)
     if value is None:
         return None
+    if _in_range(value, conv, args):
+        return value
     return conv(value, _join(path, key), *args)
 
 
 def _req(d: Mapping[str, Any], key: str, path: str, conv: Any, *args: Any) -> Any:
     if key not in d:
         raise ProtocolError(_join(path, key), "is required")
-    return conv(d[key], _join(path, key), *args)
+    value = d[key]
+    if _in_range(value, conv, args):
+        return value
+    return conv(value, _join(path, key), *args)
 
 
 # ---------------------------------------------------------------- block columns
@@ -665,6 +677,29 @@ def _requests(key: str, value: object, default_pool: str, capacity: dict[str, in
     return _requests_checked(raw, default_pool, capacity)
 
 
+def _tenants(raw: object) -> list[TenantQuota]:
+    """``tenants``: the common list (objects, each with a non-empty text ``name`` and an
+    integer ``quota_bytes`` in range) taken in one pass; anything else checked entry by
+    entry, naming the first problem (the same tenants either way)."""
+    entries = _arr(raw, "tenants")
+    tenants: list[TenantQuota] = []
+    for q in entries:  # building each entry's path for its checks cost more than the checks
+        if type(q) is not dict:
+            break
+        name, quota = q.get("name"), q.get("quota_bytes")
+        if type(name) is not str or not name or type(quota) is not int or not 0 <= quota <= MAX_SAFE_INT:
+            break
+        tenants.append(TenantQuota(name, quota))
+    else:
+        return tenants
+    tenants = []
+    for i, item in enumerate(entries):
+        path = f"tenants[{i}]"
+        q = _obj(item, path)
+        tenants.append(TenantQuota(_req(q, "name", path, _str), _req(q, "quota_bytes", path, _int)))
+    return tenants
+
+
 def _host(raw: object) -> HostFacts:
     h = _obj(raw, "host")
     out = HostFacts(
@@ -758,12 +793,7 @@ def _read(doc: object, engine_name: str, default_kind: str) -> EngineFacts | Non
                 )
             )
 
-    tenants: list[TenantQuota] = []
-    if (raw_tenants := d.get("tenants")) is not None:
-        for i, raw in enumerate(_arr(raw_tenants, "tenants")):
-            path = f"tenants[{i}]"
-            q = _obj(raw, path)
-            tenants.append(TenantQuota(_req(q, "name", path, _str), _req(q, "quota_bytes", path, _int)))
+    tenants = _tenants(d["tenants"]) if d.get("tenants") is not None else []
 
     host = _host(d["host"]) if d.get("host") is not None else HostFacts()
 
