@@ -347,9 +347,9 @@ def test_the_burst_shares_its_prefix_and_idle_keeps_it_reclaimable(record: Recor
 
 
 def test_running_and_waiting_requests(record: Record) -> None:
-    """Waiting is exact. Running is SGLang's ``num_running_reqs``, refreshed by the pause
-    itself: its running batch, where requests that finished in the last step stay until the
-    next batch is formed (they hold no KV: in-use is exact). kvledger reads exactly that
+    """Waiting is exact. Running is SGLang's ``num_running_reqs``: the length of its running
+    batch, where requests that finished in the last step stay until the next batch is formed
+    (they hold no KV: in-use is exact). kvledger reads exactly that
     count, never fewer than the requests really running (seen in CI: 17 read, 0 running,
     every one of them finished in the step before the pause)."""
     for p in record.all_points():
