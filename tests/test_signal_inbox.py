@@ -96,3 +96,23 @@ def test_close_puts_back_what_was_there() -> None:
     """)
     code, _, err = _result(proc)
     assert code == -signal.SIGTERM, err  # the default action again
+
+
+def test_off_the_main_thread_it_refuses_and_leaves_nothing_behind() -> None:
+    proc = _start("""
+        failed = []
+        def off_main():
+            try:
+                with SignalInbox([signal.SIGTERM]):
+                    pass
+            except ValueError as exc:
+                failed.append(str(exc))
+        t = threading.Thread(target=off_main)
+        t.start(); t.join()
+        assert failed, "entered off the main thread"
+        assert [t.name for t in threading.enumerate()] == ["MainThread"]
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        print("ready", flush=True)
+    """)
+    code, _, err = _result(proc)
+    assert code == 0, err

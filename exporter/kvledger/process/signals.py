@@ -50,10 +50,14 @@ class SignalInbox:
         self._relay = threading.Thread(target=self._run, name="kvledger-signals", daemon=True)
 
     def __enter__(self) -> SignalInbox:
-        self._relay.start()
-        self._previous_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
-        for signum in self._signums:
-            self._previous[signum] = signal.signal(signum, _nothing)
+        try:  # set_wakeup_fd and signal.signal raise ValueError off the main thread
+            self._previous_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+            for signum in self._signums:
+                self._previous[signum] = signal.signal(signum, _nothing)
+            self._relay.start()
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def next(self) -> signal.Signals:
@@ -80,9 +84,10 @@ class SignalInbox:
         if self._previous_fd is not None:
             signal.set_wakeup_fd(self._previous_fd)
             self._previous_fd = None
-        self._writer.setblocking(True)
-        self._writer.send(bytes([_CLOSED]))
-        self._relay.join(timeout=1.0)
+        if self._relay.is_alive():
+            self._writer.setblocking(True)
+            self._writer.send(bytes([_CLOSED]))
+            self._relay.join(timeout=1.0)
         if not self._relay.is_alive():  # else it is in on_stop: the process is on its way out
             self._reader.close()
             self._writer.close()
