@@ -1,10 +1,11 @@
 """The busy daemon at the realistic load (issue 14), against the cost of merely reading its inputs.
 
 8 engines x 1,250 requests, 16 tenants each, polled every second, scraped every 15 s (gzip,
-as Prometheus asks). The load is the one of a real engine (bench/realistic_load.py): every
-running request's computed and generated tokens advance 20 tokens a second, its blocks grow
-every block_size tokens, ~5 % of the requests are replaced every second; each engine serves
-the next second's document at each poll. The documents are rendered before the run (60
+as Prometheus asks, at a steady cadence from the daemon's start; measured after three
+scrapes, as a daemon that Prometheus has scraped a while). The load is the one of a real
+engine (bench/realistic_load.py): every running request's computed and generated tokens
+advance 20 tokens a second, its blocks grow every block_size tokens, ~5 % of the requests
+are replaced every second; each engine serves the next second's document at each poll. The documents are rendered before the run (60
 seconds of them, cycled) so the bench's own work stays out of the figures.
 
 Phases, each ``--seconds`` long; in each, the floor and the daemon run side by side and are
@@ -14,12 +15,16 @@ measured over the same seconds (this machine's speed drifts by tens of percent o
   ``daemon (rows)``: ``kvledger serve`` against plain v1 servers (row form only);
 - ``floor (columns)`` and ``daemon (columns)``: the same with servers that offer the columnar
   form (the daemon asks for it; the floor fetches it the same way);
-- ``daemon (idle)``: the same servers with documents that do not change (conditional reads: 304).
+- ``daemon (idle)``: the same servers with documents that do not change (conditional reads: 304);
+- ``its reading alone``, beside each floor: the daemon's sources polled the floor's way (one
+  thread, every second), each poll what a poll thread of the daemon runs: fetch, typed
+  decode, the requests' columns, the facts. The daemon's cost beyond it is its collector
+  (assembly, accounts, the render check), its threads and its server.
 
 Printed: CPU as % of one core, RSS peak, and daemon / floor ratios. Budgets (docs/design.md
 §9): CPU <= 2 % of a core, RSS <= 80 MB.
 
-Run: .venv/bin/python bench/bench_daemon.py [--seconds 30] [--engines 8] [--requests 1250]
+Run: .venv/bin/python bench/bench_daemon.py [--seconds 30] [--engines 8] [--requests 1250] [--scrape-interval 15]
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -51,6 +57,26 @@ FLOOR = textwrap.dedent("""
     while True:
         for c in clients:
             orjson.loads(c.get())
+        next_at += 1.0
+        time.sleep(max(0.0, next_at - time.monotonic()))
+""")
+
+#: the daemon's own reading, without the daemon: every source of the configuration polled the
+#: floor's way (one thread, one after the other, every second), each poll what a poll thread
+#: of ``kvledger serve`` runs (fetch, typed decode, the requests' columns, the facts); what the
+#: daemon costs beyond it is its collector (assembly, accounts, the render check), its threads
+#: and its server
+READER = textwrap.dedent("""
+    import sys, time
+    from kvledger.collect.sources.registry import build_sources
+    from kvledger.config.loader import load_config
+    from kvledger.cli import settle_garbage_collector
+    sources, _, _ = build_sources(load_config(sys.argv[1]))
+    settle_garbage_collector()
+    next_at = time.monotonic()
+    while True:
+        for s in sources:
+            s.poll()
         next_at += 1.0
         time.sleep(max(0.0, next_at - time.monotonic()))
 """)
@@ -101,18 +127,30 @@ class Engines:
             s.stop()
 
 
-def measure(pids: dict[str, int], seconds: float, scrape_port: int | None) -> dict[str, tuple[float, float]]:
-    """(CPU % of a core, RSS peak MB) of each process over the same ``seconds``, scraping
-    the daemon every 15 s."""
+class Scraper:
+    """Prometheus's part: a GET of /metrics (gzip) every ``interval`` seconds, from the
+    daemon's start to its end, at a steady cadence as Prometheus keeps one per target."""
+
+    def __init__(self, port: int, interval: float) -> None:
+        self.port, self.interval = port, interval
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        next_at = time.monotonic()
+        while not self.stop.wait(max(0.0, next_at - time.monotonic())):
+            req = urllib.request.Request(f"http://127.0.0.1:{self.port}/metrics", headers={"Accept-Encoding": "gzip"})
+            urllib.request.urlopen(req, timeout=5).read()
+            next_at += self.interval
+
+
+def measure(pids: dict[str, int], seconds: float) -> dict[str, tuple[float, float]]:
+    """(CPU % of a core, RSS peak MB) of each process over the same ``seconds``."""
     cpu0 = {name: proc_figures(pid)[1] for name, pid in pids.items()}
     t0 = time.monotonic()
     peak = dict.fromkeys(pids, 0.0)
-    next_scrape = t0
     while time.monotonic() - t0 < seconds:
-        if scrape_port is not None and time.monotonic() >= next_scrape:
-            req = urllib.request.Request(f"http://127.0.0.1:{scrape_port}/metrics", headers={"Accept-Encoding": "gzip"})
-            urllib.request.urlopen(req, timeout=5).read()
-            next_scrape += 15
         for name, pid in pids.items():
             peak[name] = max(peak[name], proc_figures(pid)[0])
         time.sleep(0.5)
@@ -139,6 +177,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1250)
     ap.add_argument("--root", type=Path, default=ROOT, help="source tree whose exporter/ runs the daemon")
     ap.add_argument("--forms", default="rows,columns", help="which forms to measure (rows, columns or both)")
+    ap.add_argument("--scrape-interval", type=float, default=15.0, help="seconds between two scrapes of /metrics")
     args = ap.parse_args()
     engines = Engines(args.engines, args.requests)
     print(f"{args.engines} engines x {args.requests:,} requests, 16 tenants; row form {len(engines.rows[0]) / 1024:.0f} KiB, "
@@ -156,22 +195,30 @@ def main() -> None:
             accept = "application/json" if mode == "rows" else "application/vnd.kvledger.v1.columns+json"
             port = 19_000 + os.getpid() % 1000
             floor = subprocess.Popen([sys.executable, "-c", FLOOR, accept, *(s.url for s in engines.servers)], env=env)
+            reader = subprocess.Popen([sys.executable, "-c", READER, str(cfg)], env=env)
             daemon = subprocess.Popen([sys.executable, "-m", "kvledger.cli", "serve", "--config", str(cfg), "--listen",
                                        f"127.0.0.1:{port}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            scraper: Scraper | None = None
             try:
                 wait_ready(port)
-                time.sleep(5)  # warm up
+                scraper = Scraper(port, args.scrape_interval)
+                time.sleep(2 * args.scrape_interval + 5)  # warm up: three scrapes, as a daemon Prometheus has scraped a while
                 # side by side: the floor and the daemon over the same seconds, so the
                 # machine's drift touches both alike
-                both = measure({"floor": floor.pid, "daemon": daemon.pid}, args.seconds, port)
-                results[f"floor ({mode})"], results[f"daemon ({mode})"] = both["floor"], both["daemon"]
+                three = measure({"floor": floor.pid, "reader": reader.pid, "daemon": daemon.pid}, args.seconds)
+                results[f"floor ({mode})"] = three["floor"]
+                results[f"its reading alone ({mode})"] = three["reader"]
+                results[f"daemon ({mode})"] = three["daemon"]
                 if mode == "columns":
                     floor.terminate()
+                    reader.terminate()
                     engines.mode = "idle"
                     time.sleep(3)
-                    results["daemon (idle)"] = measure({"daemon": daemon.pid}, args.seconds, port)["daemon"]
+                    results["daemon (idle)"] = measure({"daemon": daemon.pid}, args.seconds)["daemon"]
             finally:
-                for p in (floor, daemon):
+                if scraper is not None:
+                    scraper.stop.set()
+                for p in (floor, reader, daemon):
                     p.terminate()
                     p.wait(10)
     finally:

@@ -26,7 +26,8 @@ from accounting_support import accounts_of, no_render_check
 from hypothesis import HealthCheck, settings
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvledger.collect.accounting import alone
+from kvledger.collect.accounting import alone, engine_findings
+from kvledger.config.types import LimitsConfig
 from kvledger.domain.accounts import Accounts, EngineAccount
 from kvledger.domain.block_refs import BlockRefArray
 from kvledger.domain.facts import EngineFacts, GpuFacts, PoolFacts, RequestFacts, Snapshot, SourceHealth
@@ -122,6 +123,8 @@ def assert_exports_cleanly(facts: EngineFacts, sharing: str = "per-request") -> 
         sharing=sharing,  # type: ignore[arg-type]
     )
     accounts = accounts_of(snapshot, render_check=no_render_check)  # the check is asked below, engine by engine
+    # what a cycle that makes no Accounts counts of these facts is what their account lists
+    assert engine_findings(facts, LimitsConfig())[1] == accounts.engines[0].invariant_violations
     accounts.invariant_totals = {(e.name, c): 1 for e in accounts.engines for c in e.invariant_violations}
     samples = parse_exposition_samples(render_text(accounts))
     for name, labels, value in samples:

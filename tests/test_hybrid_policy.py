@@ -8,7 +8,7 @@ import pytest
 from kvledger.domain.facts import Budgets, EngineFacts, KvGroupFacts, PoolFacts, RequestFacts
 from kvledger.domain.limits import MAX_RESERVATION
 from kvledger.output.prometheus import render_text
-from kvledger.policy.engine_accounts import engine_account
+from kvledger.policy.engine_accounts import engine_account, engine_violations
 from kvledger.protocol.reader import ProtocolError, facts_from_document, schema_errors
 
 # the tiny Gemma 3 of the real suite: layers [sliding, sliding, full] x 2, window 64, B = 32
@@ -33,7 +33,9 @@ def pool(groups: tuple[KvGroupFacts, ...], block_size: int = 32, num_blocks: int
 def account(p: PoolFacts, requests: list[RequestFacts], sharing: str = "per-request", max_model_len: int = 2048) -> object:
     e = EngineFacts(name="e", kind="ledger", source="ledger", pools=[p], requests=requests,
                     budgets=Budgets(max_model_len=max_model_len, max_num_seqs=8))  # fmt: skip
-    return engine_account(e, sharing)
+    acc = engine_account(e, sharing)
+    assert engine_violations(e) == acc.invariant_violations  # what a cycle that makes no Accounts counts
+    return acc
 
 
 def test_a_request_reserves_every_groups_share() -> None:

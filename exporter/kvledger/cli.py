@@ -234,7 +234,7 @@ def _serve_until_stopped(
     if otlp_endpoint:
         from kvledger.output.otlp import OtlpOutput
 
-        otlp = OtlpOutput(otlp_endpoint, collector.latest)
+        otlp = OtlpOutput(otlp_endpoint, lambda: collector.latest(reader="otlp"))
     if announce is not None:
         announce(server)
     collector.start()

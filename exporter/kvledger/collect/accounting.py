@@ -32,7 +32,7 @@ from kvledger.config.types import LimitsConfig
 from kvledger.domain.accounts import Accounts, EngineAccount
 from kvledger.domain.facts import EngineFacts, Sharing, Snapshot
 from kvledger.policy.device_budget import budget_terms, gpu_accounts
-from kvledger.policy.engine_accounts import engine_account
+from kvledger.policy.engine_accounts import engine_account, engine_violations
 
 #: raises (ValueError) unless every sample of the Accounts can be exported
 RenderCheck = Callable[[Accounts], None]
@@ -143,6 +143,22 @@ class AccountingResult:
     invalid: dict[str, BaseException] = field(default_factory=dict)
     #: why the GPU facts could not be accounted or rendered (no GPU is accounted then)
     gpu_error: BaseException | None = None
+
+
+def engine_findings(facts: EngineFacts, limits: LimitsConfig) -> tuple[LimitCounts, list[str]]:
+    """What ``account_snapshot`` finds in one engine's facts, without accounting them: the
+    label values limiting counted and the invariant checks violated (the collector counts
+    them at every fresh poll, also in the cycles that make no Accounts). Facts the label
+    limits or the policy cannot carry give what was found up to there: the account made
+    for the next read reports them invalid, naming why."""
+    try:
+        limited_facts, limited = limit_labels(facts, limits)
+    except LabelLimitError as exc:
+        return exc.counts, []
+    try:
+        return limited, engine_violations(limited_facts)
+    except Exception:  # the account names it (invalid)
+        return limited, []
 
 
 def alone(account: EngineAccount, snapshot: Snapshot) -> Accounts:

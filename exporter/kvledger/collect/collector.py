@@ -1,6 +1,6 @@
 """Background polling of every source, each isolated with its own timeout, the assembly
 of the Snapshot and the publication of its Accounts. A scrape reads ``latest()``; it
-never waits.
+never waits on an engine.
 
 Each cycle (every ``interval`` seconds) submits a poll for every source that is not
 already in flight, waits at most until the next cycle, then assembles a fresh
@@ -13,11 +13,21 @@ The accounting itself is a pure step (``accounting.account_snapshot``): the coll
 passes it the Snapshot, what each engine was made from, its ``AccountCache`` and the
 output side's render check, then applies the result: findings counted once per fresh
 poll, the sources of invalid engines marked down (``invalid``), health, logging.
+
+Accounts are made for the reads that come (``read_cadence``): a cycle makes them when no
+reader keeps a cadence, or when the next read is due before the next cycle would have
+made them; the other cycles poll, assemble and count the fresh polls' findings
+(``engine_findings``: every poll's label limits and invariant checks are counted, as
+before) and leave the Accounts to be made. A read that finds them not made from the latest
+polls makes them itself (``latest``), from the same polls, so every read sees what a cycle
+that accounted would have shown. At a 1 s poll and a 15 s scrape, one cycle in fifteen
+makes the busy accounts (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -26,9 +36,11 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from kvledger.collect import poll_budget
-from kvledger.collect.accounting import AccountCache, EngineInputs, RenderCheck, account_snapshot
+from kvledger.collect.accounting import AccountCache, EngineInputs, RenderCheck, account_snapshot, engine_findings
 from kvledger.collect.label_limits import LabelLimitError, LimitCounts
-from kvledger.collect.merge import apply_contribution
+from kvledger.collect.merge import apply_contribution, replace
+from kvledger.collect.poll_lanes import PollLanes
+from kvledger.collect.read_cadence import ReadCadence
 from kvledger.collect.sources.base import (
     Contribution,
     EngineContribution,
@@ -92,9 +104,6 @@ def _close(source: Source) -> None:
     except Exception:  # closing is best effort; report and go on
         log.exception("closing source %s/%s", source.engine, source.kind)
 
-
-#: seconds between the starts of two polls of one cycle (see ``Collector._submit_idle``)
-POLL_SPACING = 0.005
 
 
 #: threads polling sources: one per SOURCES_PER_WORKER sources, at least MIN_POLL_WORKERS
@@ -160,7 +169,7 @@ class Collector:
             _Runner(s, self.timeouts.get(id(s), self.default_timeout), SourceHealth(s.engine, s.kind, up=False, reason="not polled yet"))
             for s in self.sources
         ]
-        self._pool = self._new_pool(len(self._runners))
+        self._pool, self._lanes = self._new_pool(len(self._runners))
         self._lock = threading.Lock()
         self._abandoned: set[Future[_PollOutcome]] = set()  # polls left stuck in a replaced pool
         #: id(runner) -> (its primary contribution, the engine's configured facts, their merge) of the last cycle
@@ -177,17 +186,47 @@ class Collector:
         # each engine's account with the inputs it was made from (reused while they stay the same objects)
         self._cache = AccountCache()
         self._cycle_error: str | None = None  # the accounting failure last logged
-        self.cycles = 0
+        self.cycles = 0  # Accounts made
+        #: the reads of the Accounts, by reader: when the next one is due
+        self.reads = ReadCadence()
+        #: held by a cycle while it polls, harvests and accounts, and by a read that makes
+        #: the Accounts itself (``latest``)
+        self._cycle_lock = threading.RLock()
+        #: the latest polls were harvested into no Accounts yet (a cycle left them to the read)
+        self._stale = False
+        self._account_seconds = 0.0  # how long the latest Accounts took to make
 
-    def _new_pool(self, sources: int) -> ThreadPoolExecutor:
+    def _new_pool(self, sources: int) -> tuple[ThreadPoolExecutor, PollLanes]:
+        """The poll threads, and the lanes that queue the polls of a cycle on them."""
         wanted = max(MIN_POLL_WORKERS, -(-sources // SOURCES_PER_WORKER))
         self.workers = max(1, min(sources, wanted, self.poll_workers))
-        return ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kvledger-poll")
+        pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kvledger-poll")
+        return pool, PollLanes(pool, self.workers)
 
     # ------------------------------------------------------------ public
 
-    def latest(self) -> Accounts | None:
+    def latest(self, reader: str | None = None) -> Accounts | None:
+        """The Accounts of the latest polls: made now if the cycles since the last ones left
+        them to the read (``ReadCadence``). ``reader`` names who reads, to learn its cadence
+        (the /metrics handler: the client's address; the OTLP exporter)."""
+        if reader is not None:
+            self.reads.record(reader, time.monotonic())
+        if self._stale:
+            with self._cycle_lock:
+                if self._stale:
+                    self._account_or_report()
         return self._latest
+
+    def made(self) -> Accounts | None:
+        """The latest Accounts if they are made from the latest polls, else None: for a
+        caller that must not make them (the server's event loop), which then asks
+        ``latest`` from a worker thread; one that answers from them records its read
+        (``read_by``)."""
+        return None if self._stale else self._latest
+
+    def read_by(self, reader: str) -> None:
+        """``reader`` read the Accounts (``made``'s caller): its cadence is learnt."""
+        self.reads.record(reader, time.monotonic())
 
     def ready(self) -> bool:
         return self._latest is not None
@@ -241,8 +280,8 @@ class Collector:
         self.limits = change.limits
         if self.budget is not None:
             self.budget.total = change.limits.memory_budget_bytes
-        self._pool.shutdown(wait=False)  # polls in flight finish there
-        self._pool = self._new_pool(len(runners))
+        self._pool.shutdown(wait=False)  # polls in flight and queued finish there
+        self._pool, self._lanes = self._new_pool(len(runners))
         engines = {s.engine for s in change.sources} | {e.name for e in change.base_engines}
         self._invariant_totals = {k: v for k, v in self._invariant_totals.items() if k[0] in engines}
         self._limited_totals = {k: v for k, v in self._limited_totals.items() if k[0] in engines}
@@ -265,6 +304,7 @@ class Collector:
             self._thread.join(timeout=self.interval + 5)
         for r in self._runners:
             _close(r.source)
+        self._lanes.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def poll_once(self) -> Accounts:
@@ -274,7 +314,7 @@ class Collector:
         while any(r.future is not None for r in self._runners) and time.monotonic() < deadline:
             pending = [r.future for r in self._runners if r.future is not None]
             # harvested every tenth of a second, not at each completion (that was quadratic in the sources)
-            wait(pending, timeout=min(0.1, max(0.0, deadline - time.monotonic())))
+            self._wait_polls(pending, min(time.monotonic() + 0.1, deadline))
             self._harvest()
         self._harvest(force_timeouts=True)
         return self._account()
@@ -284,25 +324,18 @@ class Collector:
     def _loop(self) -> None:
         next_cycle = time.monotonic()
         while not self._stop.is_set():
-            self._take_pending()
-            self._submit_idle()
-            pending = [r.future for r in self._runners if r.future is not None]
+            with self._cycle_lock:
+                self._take_pending()
+                self._submit_idle()
+                pending = [r.future for r in self._runners if r.future is not None]
             # wait for this cycle's polls, but never past the next cycle
-            if pending:
-                wait(pending, timeout=max(0.0, next_cycle + self.interval * 0.9 - time.monotonic()))
-            self._harvest()
-            try:
-                self._account()
-            except Exception as exc:  # a bug of ours: never keep serving the old numbers as fresh
-                text = f"{type(exc).__name__}: {exc}"
-                if text != self._cycle_error:  # logged once per change, not at every cycle
-                    log.exception("accounting failed; no engine is exported this cycle")
-                    self._cycle_error = text
-                self._account_failed(exc)
-            else:
-                if self._cycle_error is not None:
-                    log.info("accounting works again")
-                    self._cycle_error = None
+            self._wait_polls(pending, next_cycle + self.interval * 0.9)
+            with self._cycle_lock:
+                self._harvest()
+                if self._account_due(next_cycle):
+                    self._account_or_report()
+                else:
+                    self._leave_to_read()
             next_cycle += self.interval
             delay = next_cycle - time.monotonic()
             if delay < 0:
@@ -310,22 +343,78 @@ class Collector:
                 delay = 0
             self._stop.wait(delay)
 
+    def _account_or_report(self) -> None:
+        """Make and publish the Accounts; a failure (a bug of ours) publishes none, as
+        ``_account_failed`` says, never the old numbers as fresh."""
+        start = time.monotonic()
+        try:
+            self._account()
+        except Exception as exc:  # a bug of ours: never keep serving the old numbers as fresh
+            text = f"{type(exc).__name__}: {exc}"
+            if text != self._cycle_error:  # logged once per change, not at every cycle
+                log.exception("accounting failed; no engine is exported this cycle")
+                self._cycle_error = text
+            self._account_failed(exc)
+        else:
+            if self._cycle_error is not None:
+                log.info("accounting works again")
+                self._cycle_error = None
+        self._account_seconds = time.monotonic() - start
+
+    def _account_due(self, cycle_start: float) -> bool:
+        """Whether this cycle makes the Accounts: when no reader keeps a cadence, or when the
+        next read is due before the next cycle's Accounts would be made (that cycle starts
+        an interval after this one and makes them as long after its start as this one
+        harvested, plus what making them took, plus a tenth of the interval); a read due
+        earlier than foreseen makes them itself (``latest``)."""
+        due = self.reads.next_read()
+        if due is None or self._latest is None:  # nobody keeps a cadence; none made yet (not ready)
+            return True
+        lead = (time.monotonic() - cycle_start) + self._account_seconds + 0.1 * self.interval
+        return due <= cycle_start + self.interval + lead
+
+    def _leave_to_read(self) -> None:
+        """A cycle that makes no Accounts: the fresh polls' findings are counted (label
+        limits, invariant checks: each poll's, as an accounting cycle counts them), the
+        sub-sources' health follows every change, and the Accounts are left for the read."""
+        self._stale = True
+        try:
+            snapshot, _, _, fresh = self._assemble()
+            for facts in snapshot.engines:
+                if facts.name in fresh:
+                    limited, invariants = engine_findings(facts, self.limits)
+                    self._count_limited(facts.name, limited)
+                    self._count_invariants(facts.name, invariants)
+            self._sub_health()
+        except Exception:  # a bug of ours: the Accounts made for the next read report it
+            log.debug("counting the findings of a cycle left to the read failed", exc_info=True)
+
     def _submit_idle(self) -> None:
-        """Start a poll of every source not still polling, each in its own thread (a slow
-        source delays no other), their starts spaced ``POLL_SPACING`` apart (all within a
-        tenth of the interval): polls started at one instant fight over the interpreter
-        lock while they read their answers, which cost a third more CPU per fetch than
-        the same fetches one after the other (docs/performance.md)."""
+        """Queue a poll of every source not still polling (``PollLanes``: taken in turn by
+        one thread while they are quick, another thread taking the rest of the queue when a
+        source is slow, so a slow source delays no other for long)."""
         now = time.monotonic()
         self._replace_stuck_pool(now)
-        idle = [r for r in self._runners if r.future is None]
-        spacing = min(POLL_SPACING, 0.1 * self.interval / max(1, len(idle)))
-        for i, r in enumerate(idle):
-            r.started = now + i * spacing
-            r.running = False
-            r.context = None
-            r.timed_out = False
-            r.future = self._pool.submit(_timed_poll, r, r.started, self.budget)
+        for r in self._runners:
+            if r.future is None:
+                r.started = now
+                r.running = False
+                r.context = None
+                r.timed_out = False
+                r.future = self._lanes.submit(functools.partial(_timed_poll, r, 0.0, self.budget))
+
+    def _wait_polls(self, pending: list[Future[_PollOutcome]], until: float) -> None:
+        """Wait until ``pending`` are done or ``until`` (monotonic), giving the queued polls
+        another lane whenever every lane has been in one poll too long (``PollLanes.spill``)."""
+        while pending:
+            remaining = until - time.monotonic()
+            if remaining <= 0:
+                return
+            _, not_done = wait(pending, timeout=min(remaining, self._lanes.spill_after))
+            if not not_done:
+                return
+            self._lanes.spill()
+            pending = list(not_done)
 
     def _replace_stuck_pool(self, now: float) -> None:
         """Every poll but an HTTP fetch's own is bounded by its source alone: when half the
@@ -341,8 +430,9 @@ class Collector:
         names = ", ".join(f"{r.source.engine or '-'}/{r.source.kind}" for r in stuck[:5])
         log.warning("%d polls stuck past twice their timeout (%s%s): the other sources are polled by new threads",
                     len(stuck), names, ", ..." if len(stuck) > 5 else "")
-        self._pool.shutdown(wait=False, cancel_futures=True)  # the polls queued there are submitted again
-        self._pool = self._new_pool(len(self._runners))
+        self._lanes.close()  # the polls queued there are submitted again
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool, self._lanes = self._new_pool(len(self._runners))
         for r in self._runners:
             if r.future is not None and r.future.cancelled():
                 r.future = None
@@ -468,6 +558,7 @@ class Collector:
         )
         with self._lock:
             self._latest = accounts
+            self._stale = False
             self.cycles += 1
         if self.on_cycle is not None:
             self.on_cycle(accounts)
@@ -479,7 +570,7 @@ class Collector:
         made from, the runner that gave each engine its primary facts, and the engines whose
         primary facts are new this cycle (their findings are counted)."""
         snapshot = Snapshot(
-            engines=[dataclasses.replace(e) for e in self.base_engines],
+            engines=[replace(e) for e in self.base_engines],
             sharing=self.sharing,
             taken_at=self.clock(),
         )
@@ -561,6 +652,7 @@ class Collector:
         )
         with self._lock:
             self._latest = accounts
+            self._stale = False
 
     def _invalid(self, r: _Runner | None, exc: BaseException, engine: str | None = None) -> None:
         """Mark ``r`` down as ``invalid``: its facts passed the parser but cannot be accounted."""

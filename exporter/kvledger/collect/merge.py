@@ -25,7 +25,7 @@ Precedence (docs/design.md, "Configuration and engine facts"):
 from __future__ import annotations
 
 import dataclasses
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import kvledger.collect.sources.kinds  # noqa: F401  (every kind's registration: fills KINDS)
 from kvledger.collect.sources.base import Contribution, EngineContribution, engine_position
@@ -34,6 +34,7 @@ from kvledger.config.types import EngineConfig
 from kvledger.domain.facts import Budgets, EngineFacts, HostFacts, Limit, MemoryTerm, Snapshot, TenantQuota
 
 T = TypeVar("T", Budgets, HostFacts)
+D = TypeVar("D")  # a dataclass
 
 
 def configured_facts(cfg: EngineConfig) -> EngineFacts:
@@ -73,14 +74,35 @@ def configured_facts(cfg: EngineConfig) -> EngineFacts:
     )
 
 
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    """The fields of dataclass ``cls`` its ``__init__`` takes, read once per class."""
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+    return names
+
+
+def replace(obj: D, **changes: Any) -> D:
+    """``dataclasses.replace`` (a new object, ``changes`` over the old one's fields)
+    without its introspection at every call: the collector merges every busy engine's
+    facts at every poll, and copies every configured engine at every cycle."""
+    for name in _field_names(type(obj)):
+        if name not in changes:
+            changes[name] = getattr(obj, name)
+    return type(obj)(**changes)
+
+
 def _fill(engine: T, configured: T) -> T:
     """``engine`` with each of its None fields taken from ``configured``."""
     changes = {
-        f.name: getattr(configured, f.name)
-        for f in dataclasses.fields(engine)
-        if getattr(engine, f.name) is None and getattr(configured, f.name) is not None
+        name: getattr(configured, name)
+        for name in _field_names(type(engine))
+        if getattr(engine, name) is None and getattr(configured, name) is not None
     }
-    return dataclasses.replace(engine, **changes) if changes else engine
+    return replace(engine, **changes) if changes else engine
 
 
 def merge(engine: EngineFacts, configured: EngineFacts) -> EngineFacts:
@@ -92,13 +114,13 @@ def merge(engine: EngineFacts, configured: EngineFacts) -> EngineFacts:
     # the configured GPUs, or on GPU 0 when none are configured)
     per_category = {t.category: t for t in configured.memory}
     memory = list(engine.memory) + [
-        dataclasses.replace(t, gpu=gpu)
+        replace(t, gpu=gpu)
         for t in per_category.values()
         for gpu in (gpus or [0])
         if (gpu, t.category) not in reported
     ]
-    budgets = _fill(dataclasses.replace(engine.budgets), configured.budgets)
-    return dataclasses.replace(
+    budgets = _fill(replace(engine.budgets), configured.budgets)
+    return replace(
         engine,
         name=configured.name,
         kind=engine.kind or configured.kind,
@@ -122,6 +144,6 @@ def apply_contribution(snapshot: Snapshot, contribution: Contribution) -> None:
         if i is not None:
             snapshot.engines[i] = merge(contribution.facts, snapshot.engines[i])
         else:
-            snapshot.engines.append(dataclasses.replace(contribution.facts))
+            snapshot.engines.append(replace(contribution.facts))
     else:
         contribution.apply(snapshot)

@@ -34,6 +34,7 @@ from kvledger.policy.reservations import (
     admission_estimate_tokens,
     cap_blocks,
     group_cap_blocks,
+    group_reservations,
     request_columns,
 )
 from kvledger.policy.saturation import binding_constraint, sequences_ratio, token_budget_ratio
@@ -235,6 +236,25 @@ def tenant_accounts(engine: EngineFacts, pools: dict[str, PoolFacts], columns: d
     ]
 
 
+def engine_violations(engine: EngineFacts) -> list[str]:
+    """The invariant checks ``engine``'s facts violate, as its account lists them
+    (``EngineAccount.invariant_violations``), without making the account: the collector
+    counts them at every poll, also in cycles that make no Accounts (``Collector``; the
+    property tests hold the two to the same list)."""
+    by_pool: dict[str, RequestTable] = {}
+    if engine.requests is not None:
+        by_pool = _split_by_pool(RequestTable.from_requests(engine.requests), engine.pools)
+    violations: list[str] = []
+    for pool in engine.pools:
+        table = by_pool.get(pool.id)
+        violations.extend(invariant_violations(pool, physical_state(pool)))
+        if table is not None and len(table):
+            if pool.groups and group_reservations(table, pool, engine.budgets.max_model_len)[2]:
+                violations.append(RESERVATION_RANGE_CHECK)
+            violations.extend(_request_invariants(pool, table))
+    return sorted(set(violations))
+
+
 def engine_account(engine: EngineFacts, sharing: str) -> EngineAccount:
     by_pool: dict[str, RequestTable] = {}
     if engine.requests is not None:
@@ -253,7 +273,7 @@ def engine_account(engine: EngineFacts, sharing: str) -> EngineAccount:
         else:
             bad_range = []
         acc = pool_account(engine, pool, pool_cols, sharing)
-        bad = invariant_violations(pool, acc.physical) + bad_range
+        bad = invariant_violations(pool, acc.physical) + bad_range  # as engine_violations finds them
         if bad_range:
             acc.reserved_blocks = acc.quota_headroom_blocks = acc.admission_headroom_requests = None
             acc.quota_utilization = None

@@ -198,6 +198,26 @@ class RequestColumns:
         return np.asarray(np.maximum(0, self.reservation - self.held))
 
 
+def group_reservations(
+    table: RequestTable, pool: PoolFacts, max_model_len: int | None
+) -> tuple[tuple[np.ndarray, ...], np.ndarray, bool]:
+    """R_g(r) of each stated KV-cache group of a shared pool, their sum R(r), and whether a
+    sum passed MAX_RESERVATION (the pool's reservations are then unknown: invariant
+    ``reservation_in_range``). For a pool with groups and at least one request."""
+    contexts, speculative = table.column("contexts"), table.column("speculative_slots")
+    prompt, output = table.column("prompt_tokens"), table.column("max_output_tokens")
+    groups = tuple(
+        np.asarray(
+            request_blocks([group_shape(g)], prompt, output, pool.block_size, max_model_len,
+                           contexts=contexts, speculative_slots=speculative),
+            dtype=np.int64,
+        )
+        for g in pool.groups
+    )  # fmt: skip
+    reservation = np.asarray(np.sum(groups, axis=0, dtype=np.int64))
+    return groups, reservation, bool(reservation.max() > MAX_RESERVATION)
+
+
 def request_columns(requests: Sequence[RequestFacts], pool: PoolFacts, max_model_len: int | None) -> RequestColumns:
     table = RequestTable.from_requests(requests)
     n = len(table)
@@ -210,18 +230,7 @@ def request_columns(requests: Sequence[RequestFacts], pool: PoolFacts, max_model
         reservation = np.zeros(0, dtype=np.int64)
         groups = tuple(np.zeros(0, dtype=np.int64) for _ in pool.groups)
     elif pool.groups:
-        # a pool shared by KV-cache groups: R(r) = sum over groups of R_g(r)
-        prompt, output = table.column("prompt_tokens"), table.column("max_output_tokens")
-        groups = tuple(
-            np.asarray(
-                request_blocks([group_shape(g)], prompt, output, pool.block_size, max_model_len,
-                               contexts=contexts, speculative_slots=speculative),
-                dtype=np.int64,
-            )
-            for g in pool.groups
-        )  # fmt: skip
-        reservation = np.sum(groups, axis=0, dtype=np.int64)
-        out_of_range = bool(reservation.max() > MAX_RESERVATION)
+        groups, reservation, out_of_range = group_reservations(table, pool, max_model_len)
     else:
         reservation = reservation_blocks(
             table.column("prompt_tokens"),

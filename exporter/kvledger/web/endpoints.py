@@ -137,6 +137,12 @@ class ViewCache:
             return response
 
 
+def _reader(request: Request) -> str:
+    """Who reads /metrics, for the collector to learn its cadence (``ReadCadence``): the
+    client's address (a Prometheus server scrapes a target from one address)."""
+    return f"metrics {request.peer}"
+
+
 @dataclass(frozen=True)
 class Endpoints:
     collector: Collector
@@ -152,10 +158,11 @@ class Endpoints:
             return None
         gzipped = accepts_gzip(request.headers.get("accept-encoding", ""))
         fmt, content_type = negotiate(request.headers.get("accept", ""))
-        accounts = self.collector.latest()
-        body = self.metrics.ready(accounts, gzipped, fmt)
+        accounts = self.collector.made()  # never made here: the event loop does not account
+        body = self.metrics.ready(accounts, gzipped, fmt) if accounts is not None else None
         if body is None:
             return None
+        self.collector.read_by(_reader(request))
         return Response(200, body, (*_metrics_headers(content_type, gzipped), *accounts_header(accounts)))
 
     def respond(self, request: Request) -> Response:
@@ -164,7 +171,7 @@ class Endpoints:
             return Response(405, b"only GET and HEAD are served\n", (("Content-Type", TEXT), ("Allow", "GET, HEAD")))
         path = urlsplit(request.target).path
         if path == "/metrics":
-            accounts = self.collector.latest()
+            accounts = self.collector.latest(_reader(request))
             gzipped = accepts_gzip(request.headers.get("accept-encoding", ""))
             fmt, content_type = negotiate(request.headers.get("accept", ""))
             body = self.metrics.get(accounts, self.process_registry, gzipped, fmt)

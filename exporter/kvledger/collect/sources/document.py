@@ -79,10 +79,27 @@ def document_age(published_at: float, date: str | None, now: float) -> float:
     reference = now
     if date:
         try:
-            reference = parsedate_to_datetime(date).timestamp()
+            reference = _date_seconds(date)
         except (TypeError, ValueError, OverflowError, IndexError):
             reference = now
     return max(0.0, reference - published_at)
+
+
+#: the last Date header read and its time: the engines answering within one second send the
+#: same header, parsed once (``parsedate_to_datetime`` costs about as much as a 304 exchange's
+#: own work); one tuple, replaced whole, so any poll thread reads a consistent pair
+_LAST_DATE: tuple[str, float] = ("", 0.0)
+
+
+def _date_seconds(date: str) -> float:
+    """The time a Date header names (Unix seconds); raises as ``parsedate_to_datetime`` does."""
+    global _LAST_DATE
+    last = _LAST_DATE
+    if last[0] == date:
+        return last[1]
+    seconds = parsedate_to_datetime(date).timestamp()
+    _LAST_DATE = (date, seconds)
+    return seconds
 
 
 class FactsReader:
