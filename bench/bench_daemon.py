@@ -134,6 +134,7 @@ class Scraper:
     def __init__(self, port: int, interval: float) -> None:
         self.port, self.interval = port, interval
         self.stop = threading.Event()
+        self.seconds: list[float] = []  # each scrape's wall time
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -141,7 +142,9 @@ class Scraper:
         next_at = time.monotonic()
         while not self.stop.wait(max(0.0, next_at - time.monotonic())):
             req = urllib.request.Request(f"http://127.0.0.1:{self.port}/metrics", headers={"Accept-Encoding": "gzip"})
+            start = time.perf_counter()
             urllib.request.urlopen(req, timeout=5).read()
+            self.seconds.append(time.perf_counter() - start)
             next_at += self.interval
 
 
@@ -189,6 +192,7 @@ def main() -> None:
     cfg.write_text("interval_seconds: 1.0\nnvml: {enabled: false}\nengines:\n" + "\n".join(lines) + "\n")
     env = dict(os.environ, PYTHONPATH=str(args.root / "exporter"))
     results: dict[str, tuple[float, float]] = {}
+    scrapes: dict[str, list[float]] = {}  # the scrapes' wall times during each busy phase
     try:
         for mode in args.forms.split(","):
             engines.mode = mode
@@ -205,7 +209,9 @@ def main() -> None:
                 time.sleep(2 * args.scrape_interval + 5)  # warm up: three scrapes, as a daemon Prometheus has scraped a while
                 # side by side: the floor and the daemon over the same seconds, so the
                 # machine's drift touches both alike
+                scraper.seconds.clear()
                 three = measure({"floor": floor.pid, "reader": reader.pid, "daemon": daemon.pid}, args.seconds)
+                scrapes[mode] = list(scraper.seconds)
                 results[f"floor ({mode})"] = three["floor"]
                 results[f"its reading alone ({mode})"] = three["reader"]
                 results[f"daemon ({mode})"] = three["daemon"]
@@ -230,6 +236,10 @@ def main() -> None:
         floor = results.get(f"floor ({form})")
         ratio = "" if name.startswith("floor") or floor is None else f"{cpu / floor[0]:.2f}x"
         print(f"| {name} | {cpu:.2f} % ({cpu / 2:.2f} of the 2 % budget) | {rss if rss else float('nan'):.0f} | {ratio} |")
+    for mode, seconds in scrapes.items():
+        if seconds:
+            shown = ", ".join(f"{1000 * x:.1f}" for x in seconds)
+            print(f"scrapes of the busy daemon ({mode}), gzip, ms: {shown}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
-from kvledger.collect.poll_lanes import PollLanes
+import pytest
+
+from kvledger.collect.poll_lanes import PollLanes, spill_after
 
 
 class Record:
@@ -35,7 +37,7 @@ class Record:
 
 def test_quick_polls_run_one_after_another_in_one_thread() -> None:
     pool = ThreadPoolExecutor(max_workers=8)
-    lanes = PollLanes(pool, 8)
+    lanes = PollLanes(pool, 8, spill_after=0.1)
     rec = Record()
     futures = [lanes.submit(lambda: rec.poll(0.002)) for _ in range(20)]
     done, _ = wait(futures, timeout=10)
@@ -81,7 +83,7 @@ def test_never_more_lanes_than_threads() -> None:
 
 def test_close_cancels_the_queued_polls_and_lets_the_running_one_end() -> None:
     pool = ThreadPoolExecutor(max_workers=2)
-    lanes = PollLanes(pool, 2)
+    lanes = PollLanes(pool, 2, spill_after=0.1)
     rec = Record()
     release = threading.Event()
     running = lanes.submit(lambda: rec.poll(release=release))
@@ -99,7 +101,7 @@ def test_close_cancels_the_queued_polls_and_lets_the_running_one_end() -> None:
 
 def test_an_exception_ends_its_future_and_the_lane_goes_on() -> None:
     pool = ThreadPoolExecutor(max_workers=1)
-    lanes = PollLanes(pool, 1)
+    lanes = PollLanes(pool, 1, spill_after=0.1)
 
     def boom() -> int:
         raise ValueError("a bug in a source")
@@ -129,3 +131,9 @@ def test_a_long_queue_of_polls_that_wait_on_the_network_gets_more_lanes() -> Non
     assert rec.most > 4, rec.most
     assert took < 1.5, took  # one lane: 2 s
     pool.shutdown()
+
+
+def test_the_wait_for_a_lane_follows_the_interval_within_bounds() -> None:
+    assert spill_after(1.0) == pytest.approx(0.1)
+    assert spill_after(0.1) == pytest.approx(0.01)
+    assert spill_after(3600.0) == 0.5

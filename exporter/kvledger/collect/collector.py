@@ -39,7 +39,7 @@ from kvledger.collect import poll_budget
 from kvledger.collect.accounting import AccountCache, EngineInputs, RenderCheck, account_snapshot, engine_findings
 from kvledger.collect.label_limits import LabelLimitError, LimitCounts
 from kvledger.collect.merge import apply_contribution, replace
-from kvledger.collect.poll_lanes import PollLanes
+from kvledger.collect.poll_lanes import PollLanes, spill_after
 from kvledger.collect.read_cadence import ReadCadence
 from kvledger.collect.sources.base import (
     Contribution,
@@ -201,7 +201,7 @@ class Collector:
         wanted = max(MIN_POLL_WORKERS, -(-sources // SOURCES_PER_WORKER))
         self.workers = max(1, min(sources, wanted, self.poll_workers))
         pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kvledger-poll")
-        return pool, PollLanes(pool, self.workers)
+        return pool, PollLanes(pool, self.workers, spill_after(self.interval))
 
     # ------------------------------------------------------------ public
 

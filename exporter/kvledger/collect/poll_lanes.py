@@ -5,10 +5,10 @@ many threads, the polls of a cycle fought over that lock, and spaced apart (each
 sleeping until its turn) each paid a sleep and a wake-up: the idle daemon's 304 polls cost
 twice what the same polls cost one after the other in one thread (docs/performance.md). So
 the polls of a cycle queue here and one lane takes them in turn. Isolation stays: when the
-next queued poll has waited ``spill_after`` seconds (a slow or hung engine holds the lanes,
-or the queue is longer than the lanes get through in that time: engines far away on the
-network, each poll waiting on its round trip), ``spill`` starts another lane on the rest of
-the queue, up to the pool's threads; the collector asks it whenever it waits on polls
+next queued poll has waited ``spill_after`` seconds (a tenth of the interval: a slow or
+hung engine holds the lanes, or the queue is longer than the lanes get through in that
+time, engines far away on the network each poll waiting on its round trip), ``spill``
+starts another lane on the rest of the queue, up to the pool's threads; the collector asks it whenever it waits on polls
 (``Collector._wait_polls``). A queued poll is not running: it is never timed out (its
 timeout starts when it runs).
 """
@@ -22,14 +22,23 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-#: seconds the next queued poll may wait before it gets a lane of its own
-SPILL_AFTER = 0.05
+#: the share of the poll interval the next queued poll may wait before it gets a lane of its
+#: own (``spill_after``): 100 ms at the default 1 s interval, where eight busy engines' polls
+#: of 300 KB documents take about 40 ms in turn
+SPILL_SHARE = 0.1
+#: the least and the most that wait may be, whatever the interval
+SPILL_BOUNDS = (0.01, 0.5)
+
+
+def spill_after(interval: float) -> float:
+    """Seconds the next queued poll may wait for a lane at this poll interval."""
+    return min(max(SPILL_SHARE * interval, SPILL_BOUNDS[0]), SPILL_BOUNDS[1])
 
 
 class PollLanes:
     """Polls queued for ``pool``'s threads, taken in turn by as few lanes as keep them moving."""
 
-    def __init__(self, pool: ThreadPoolExecutor, lanes: int, spill_after: float = SPILL_AFTER) -> None:
+    def __init__(self, pool: ThreadPoolExecutor, lanes: int, spill_after: float) -> None:
         self.pool = pool
         self.most = max(1, lanes)  # lanes at once: the pool's threads
         self.spill_after = spill_after
