@@ -68,7 +68,7 @@ def test_a_hung_poll_moves_the_rest_of_the_queue_to_another_lane() -> None:
 
 def test_never_more_lanes_than_threads() -> None:
     pool = ThreadPoolExecutor(max_workers=2)
-    lanes = PollLanes(pool, 2, spill_after=0.0)
+    lanes = PollLanes(pool, 2, spill_after=0.02)
     rec = Record()
     release = threading.Event()
     futures = [lanes.submit(lambda: rec.poll(release=release)) for _ in range(5)]
@@ -137,3 +137,18 @@ def test_the_wait_for_a_lane_follows_the_interval_within_bounds() -> None:
     assert spill_after(1.0) == pytest.approx(0.1)
     assert spill_after(0.1) == pytest.approx(0.01)
     assert spill_after(3600.0) == 0.5
+
+
+def test_a_poll_queued_behind_a_lane_hung_since_an_earlier_cycle_gets_a_lane_at_once() -> None:
+    pool = ThreadPoolExecutor(max_workers=2)
+    lanes = PollLanes(pool, 2, spill_after=0.05)
+    rec = Record()
+    release = threading.Event()
+    hung = lanes.submit(lambda: rec.poll(release=release))
+    time.sleep(0.1)  # the next cycle: the lane has been in that poll longer than spill_after
+    quick = lanes.submit(lambda: rec.poll())
+    assert quick.result(0.04) is not None  # without waiting spill_after, nobody asked to spill
+    assert not hung.done()
+    release.set()
+    hung.result(5)
+    pool.shutdown()

@@ -51,12 +51,17 @@ class PollLanes:
     def submit(self, fn: Callable[[], Any]) -> Future[Any]:
         """Queue ``fn``; its Future ends with what it returns or raises."""
         future: Future[Any] = Future()
+        now = time.monotonic()
         with self._lock:
-            self._queue.append((future, fn, time.monotonic()))
-            start = not self._current and not self._closed
-            if start:
+            self._queue.append((future, fn, now))
+            # no lane yet, or every lane held by a poll that has run spill_after (a hung engine
+            # from an earlier cycle): a lane now rather than after the wait
+            if not self._closed and (not self._current or (len(self._current) < self.most and self._stalled(now))):
                 self._open_lane()
         return future
+
+    def _stalled(self, now: float) -> bool:  # with self._lock held
+        return all(now - started >= self.spill_after for started in self._current.values())
 
     def spill(self, now: float | None = None) -> bool:
         """Start another lane when the next queued poll has waited ``spill_after`` seconds;
