@@ -152,3 +152,44 @@ def test_a_poll_queued_behind_a_lane_hung_since_an_earlier_cycle_gets_a_lane_at_
     release.set()
     hung.result(5)
     pool.shutdown()
+
+
+def test_a_reload_while_a_lane_is_held_by_a_hung_engine_keeps_the_others_polled() -> None:
+    """The polls queued behind a hung engine's lane when the configuration is applied go to
+    the new lanes: the old lane, held for as long as the engine hangs, would keep them."""
+    from kvledger.collect.collector import Collector
+    from kvledger.collect.sources.base import Contribution, EngineContribution, Source
+    from kvledger.domain.facts import EngineFacts, PoolFacts
+
+    release = threading.Event()
+
+    class Engine(Source):
+        kind = "ledger"
+
+        def __init__(self, name: str, hang: bool) -> None:
+            self.engine, self.hang, self.polls = name, hang, 0
+
+        def poll(self) -> Contribution:
+            self.polls += 1
+            if self.hang:
+                release.wait(30)
+            pool = PoolFacts(id="0", block_size=16, num_blocks=10, block_bytes=100, in_use=1, reclaimable=0, free=9)
+            return EngineContribution(EngineFacts(name=self.engine, kind="ledger", source="ledger", pools=[pool], requests=[]))
+
+    hung, good = Engine("hung", True), Engine("good", False)
+    base = [EngineFacts(name=n, kind="ledger", source="ledger") for n in ("hung", "good")]
+    c = Collector([hung, good], base_engines=base, interval=1.0, default_timeout=30.0)
+    try:
+        c._submit_idle()  # one lane: the hung engine first, the good one queued behind it
+        time.sleep(0.05)
+        assert good.polls == 0
+        c.reconfigure([hung, good], base, {}, "per-request", 1.0, c.limits)  # applied now: no loop running
+        c._submit_idle()
+        deadline = time.monotonic() + 5
+        while good.polls == 0 and time.monotonic() < deadline:
+            c._wait_polls([r.future for r in c._runners if r.future is not None], time.monotonic() + 0.1)
+            c._harvest()
+        assert good.polls >= 1
+    finally:
+        release.set()
+        c.stop()

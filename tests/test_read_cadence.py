@@ -100,7 +100,7 @@ def test_a_steady_reader_gets_accounts_of_the_latest_poll_and_the_cycles_between
     c, checked = _collector(source, interval=0.02)
     c.start()
     try:
-        period = 0.5
+        period = 0.8
         seen: list[tuple[int, int]] = []  # (in_use read, polls so far)
         next_read = time.monotonic() + period
         learnt = (0, 0)  # (accounts made, polls) once three reads taught the cadence
@@ -116,14 +116,15 @@ def test_a_steady_reader_gets_accounts_of_the_latest_poll_and_the_cycles_between
             polls = source.polls
     finally:
         c.stop()
-    assert polls - learnt[1] >= 7 * 10  # 25 cycles between two reads, at least 10 on a loaded machine
+    assert polls - learnt[1] >= 7 * 10  # 40 cycles between two reads, at least 10 on a loaded machine
     # each read shows a poll a cycle or two old (a few on a loaded machine), never one from
     # the previous read, ten cycles and more before
     for shown, polled in seen:
         assert polled - 6 <= shown <= polled + 1, seen
     # once the cadence is known, the cycles between reads make no accounts: about one or
-    # two per read, against twenty polls
-    assert len(checked) - learnt[0] < (polls - learnt[1]) / 4, (learnt, len(checked), polls)
+    # two per read (a few where a loaded machine runs the cycles late), against forty polls
+    made = len(checked) - learnt[0]
+    assert made <= 5 * 7 and made < (polls - learnt[1]) / 3, (learnt, len(checked), polls)
     # every poll's invariant violation was counted, accounts made or not
     totals = c.latest()
     assert totals is not None

@@ -280,8 +280,12 @@ class Collector:
         self.limits = change.limits
         if self.budget is not None:
             self.budget.total = change.limits.memory_budget_bytes
-        self._pool.shutdown(wait=False)  # polls in flight and queued finish there
+        self._lanes.close()  # queued polls go to the new lanes (a lane held by a hung engine would keep them)
+        self._pool.shutdown(wait=False)  # polls in flight finish there
         self._pool, self._lanes = self._new_pool(len(runners))
+        for r in runners:
+            if r.future is not None and r.future.cancelled():
+                r.future = None
         engines = {s.engine for s in change.sources} | {e.name for e in change.base_engines}
         self._invariant_totals = {k: v for k, v in self._invariant_totals.items() if k[0] in engines}
         self._limited_totals = {k: v for k, v in self._limited_totals.items() if k[0] in engines}
@@ -441,6 +445,9 @@ class Collector:
         now = time.monotonic()
         for r in self._runners:
             if r.future is None:
+                continue
+            if r.future.cancelled():  # queued in lanes closed since: polled again at the next cycle
+                r.future = None
                 continue
             if r.future.done():
                 outcome = r.future.result()
