@@ -105,7 +105,6 @@ def _close(source: Source) -> None:
         log.exception("closing source %s/%s", source.engine, source.kind)
 
 
-
 #: threads polling sources: one per SOURCES_PER_WORKER sources, at least MIN_POLL_WORKERS
 #: (or one per source, when fewer) and at most POLL_WORKERS. A poll waits on the network or
 #: parses, and every HTTP exchange is bounded by its engine's timeout, so a few threads keep
@@ -117,10 +116,7 @@ MIN_POLL_WORKERS = 16
 SOURCES_PER_WORKER = 16
 
 
-def _timed_poll(r: _Runner, not_before: float = 0.0, budget: poll_budget.MemoryBudget | None = None) -> _PollOutcome:
-    delay = not_before - time.monotonic()
-    if delay > 0:
-        time.sleep(delay)
+def _timed_poll(r: _Runner, budget: poll_budget.MemoryBudget | None = None) -> _PollOutcome:
     start = time.monotonic()
     context = poll_budget.begin(budget)
     r.context = context
@@ -405,7 +401,7 @@ class Collector:
                 r.running = False
                 r.context = None
                 r.timed_out = False
-                r.future = self._lanes.submit(functools.partial(_timed_poll, r, 0.0, self.budget))
+                r.future = self._lanes.submit(functools.partial(_timed_poll, r, self.budget))
 
     def _wait_polls(self, pending: list[Future[_PollOutcome]], until: float) -> None:
         """Wait until ``pending`` are done or ``until`` (monotonic), giving the queued polls
