@@ -26,7 +26,16 @@ from test_wire_forms import to_columns
 from kvledger.domain.facts import EngineFacts
 from kvledger.domain.limits import MAX_BLOCKS, MAX_REQUESTS, MAX_TOKENS
 from kvledger.domain.request_table import RequestTable
-from kvledger.protocol.reader import NotJsonError, ProtocolError, facts_from_document, facts_from_json, typed_facts
+from kvledger.protocol import reader
+from kvledger.protocol.fast_decoder import MEMO_KEYS
+from kvledger.protocol.reader import (
+    NotJsonError,
+    ProtocolError,
+    SectionMemo,
+    facts_from_document,
+    facts_from_json,
+    typed_facts,
+)
 
 
 def checked(body: bytes) -> EngineFacts | str:
@@ -186,6 +195,9 @@ def test_what_the_fast_path_does_not_take_is_read_the_checked_way(name: str) -> 
     b'{"schema": "kvledger/v1", "pools": [{"id": "0", "block_size": 16, "block_bytes": 1, "num_blocks": 1}], "requests": [{"id": "\\ud800", "state": "running", "prompt_tokens": 1, "max_output_tokens": 1}]}',
     b'{"schema": "kvledger/v1", "pools": [], "requests": []} x',
     b'\xef\xbb\xbf{"schema": "kvledger/v1"}',
+    # a section the typed way keeps as text (read after the pools) not JSON, and a pool that breaks the protocol
+    b'{"schema": "kvledger/v1", "tenants": [{"name": "t", "quota_bytes": 1e999}], "pools": [], "requests": []}',
+    b'{"schema": "kvledger/v1", "engine": {"kind": "\xff"}, "pools": [{"id": "0"}], "requests": []}',
 ])
 def test_what_is_not_json_anywhere_is_rejected_as_the_checked_path_rejects_it(text: bytes) -> None:
     fast, slow = both(text)
@@ -321,3 +333,79 @@ def test_columnar_fallbacks_and_edges(key: str, value: Any, fast: bool, accepted
 def test_a_key_given_twice_reads_as_the_checked_path_reads_it(text: bytes) -> None:
     assert taken_fast(text)
     assert isinstance(assert_same(text), EngineFacts)
+
+
+# ---------------------------------------------------------------- the engine's sections as last read
+
+
+def _read_through(memo: SectionMemo, body: bytes) -> EngineFacts | str:
+    try:
+        return facts_from_json(body, "e", memo=memo)
+    except ProtocolError as exc:
+        return str(exc)
+
+
+@FUZZ
+@given(st.lists(st.one_of(documents(), mutated_documents()), min_size=2, max_size=4),
+       st.lists(st.sampled_from(sorted(MEMO_KEYS)), max_size=6), st.booleans())
+def test_documents_read_through_one_memo_read_as_each_alone(docs: list[dict[str, Any]], shared: list[str],
+                                                            columnar: bool) -> None:
+    """One engine's documents in turn, some sections the same as the first one's (the memo
+    then hands out what it kept), others changed or broken: each reads as it reads alone."""
+    first = docs[0]
+    for doc in docs[1:]:
+        for key in shared:
+            if key in first:
+                doc[key] = copy.deepcopy(first[key])
+            else:
+                doc.pop(key, None)
+    memo = SectionMemo()
+    for doc in docs:
+        if columnar and isinstance(doc.get("requests"), list) and all(isinstance(r, dict) for r in doc["requests"]):
+            try:
+                doc = to_columns(doc)
+            except (TypeError, KeyError, ValueError, AttributeError):
+                pass
+        body = dumps(doc)
+        assert _read_through(memo, body) == both(body)[1]
+
+
+def _with_tenants(quota: int) -> bytes:
+    doc = _doc()
+    doc["tenants"] = [{"name": "a", "quota_bytes": quota}]
+    doc["budgets"] = {"max_num_seqs": 8}
+    doc["counters"] = {"preemptions": 2}
+    return orjson.dumps(doc)
+
+
+def test_a_section_unchanged_since_the_last_document_is_not_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[object] = []
+    real = reader._tenants
+    monkeypatch.setattr(reader, "_tenants", lambda value: calls.append(value) or real(value))
+    memo = SectionMemo()
+    first = facts_from_json(_with_tenants(5), "e", memo=memo)
+    again = facts_from_json(_with_tenants(5), "e", memo=memo)
+    assert len(calls) == 1 and again == first
+    changed = facts_from_json(_with_tenants(6), "e", memo=memo)
+    assert len(calls) == 2 and changed.tenants[0].quota_bytes == 6
+    assert changed == facts_from_json(_with_tenants(6), "e")  # what a read alone makes (without a memo: read again)
+    assert len(calls) == 3
+
+
+def test_the_facts_handed_out_again_are_not_shared_with_the_next_read() -> None:
+    memo = SectionMemo()
+    first = facts_from_json(_with_tenants(5), "e", memo=memo)
+    first.budgets.max_num_seqs = 99
+    first.counters["preemptions"] = 99.0
+    first.tenants.clear()
+    first.host.network_queue_depth = 99
+    assert facts_from_json(_with_tenants(5), "e", memo=memo) == facts_from_json(_with_tenants(5), "e")
+
+
+def test_a_section_that_breaks_the_protocol_is_refused_at_every_read() -> None:
+    memo = SectionMemo()
+    body = _with_tenants(-1)
+    for _ in range(2):
+        with pytest.raises(ProtocolError, match=r"tenants\[0\]\.quota_bytes: must be >= 0"):
+            facts_from_json(body, "e", memo=memo)
+    assert facts_from_json(_with_tenants(1), "e", memo=memo).tenants[0].quota_bytes == 1

@@ -177,7 +177,7 @@ def test_unchanged_document_is_not_parsed_again(monkeypatch) -> None:  # type: i
     doc = {"schema": "kvledger/v1", "pools": [{"id": "0", "block_size": 16, "block_bytes": 1, "num_blocks": 10}], "requests": []}
     calls = []
     real = ledger_mod.facts_from_json
-    monkeypatch.setattr(ledger_mod, "facts_from_json", lambda d, n: calls.append(1) or real(d, n))
+    monkeypatch.setattr(ledger_mod, "facts_from_json", lambda d, n, **kw: calls.append(1) or real(d, n, **kw))
     with serve_http(lambda: doc) as server:
         src = ledger_mod.LedgerSource(EngineConfig(name="e", kind="ledger", url=server.url))
         first = src.poll()

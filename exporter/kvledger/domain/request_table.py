@@ -72,6 +72,23 @@ class RequestTable(Sequence[RequestFacts]):
         self._names = (*INT_NAMES, *(name for name in (*ints, *arrays) if name not in INT_NAMES))
         self._pool_names = pool_names
 
+    @classmethod
+    def of_columns(
+        cls, ids: list[str], states: list[str], pools: list[str], tenants: list[str | None], output_bounds: list[str],
+        block_ids: list[list[int] | None] | None, arrays: dict[str, np.ndarray], pool_names: set[str],
+    ) -> RequestTable:
+        """A table of columns its maker has checked (``protocol.fast_decoder``): every column
+        ``len(ids)`` long, ``arrays`` holding every name of ``INT_COLUMNS`` (and perhaps other
+        integer fields), ``pool_names`` the set of ``pools``; built without checking them again."""
+        table = cls.__new__(cls)
+        table.ids, table.states, table.pools, table.tenants, table.output_bounds = ids, states, pools, tenants, output_bounds
+        table._ints = {}
+        table.block_ids = block_ids
+        table._arrays = arrays
+        table._names = (*INT_NAMES, *(name for name in arrays if name not in INT_NAMES))
+        table._pool_names = pool_names
+        return table
+
     def pool_names(self) -> set[str]:
         """The distinct pools of the requests (built once)."""
         if self._pool_names is None:

@@ -133,15 +133,38 @@ _Document: Any = msgspec.defstruct(
 _DECODER = msgspec.json.Decoder(_Document)
 
 
-def decode(body: bytes | str) -> dict[str, Any] | None:
+class TypedDocument(dict[str, Any]):
+    """A document as ``decode`` reads it; the sections that rarely change from one document
+    to the next (``MEMO_KEYS``) are not in it but in ``raws``, as their JSON text, which
+    the reader loads unless the engine's last document had the same text
+    (``protocol.reader.SectionMemo``). That text is not checked to be JSON yet: msgspec
+    skips a value without checking it all (invalid UTF-8, ``1e999``); orjson does when the
+    reader loads it."""
+
+    __slots__ = ("raws",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.raws: dict[str, bytes] = {}
+
+
+#: the sections whose JSON text ``decode`` keeps (``TypedDocument.raws``)
+MEMO_KEYS = frozenset(("engine", "budgets", "counters", "memory", "host", "tenants"))
+
+
+def decode(body: bytes | str) -> TypedDocument | None:
     """The document as ``protocol.reader`` reads it, its ``requests`` as ``TypedRows`` and
     its ``request_columns`` as ``TypedColumns``; None where the checked reader must read it."""
     try:
         doc = _DECODER.decode(body)
-        out: dict[str, Any] = {}
+        out = TypedDocument()
         for key in _RAW_KEYS:
             raw = getattr(doc, key)
-            if len(raw):
+            if not len(raw):
+                continue
+            if key in MEMO_KEYS:  # loaded by the reader where it differs from the last document's
+                out.raws[key] = bytes(memoryview(raw))
+            else:
                 out[key] = orjson.loads(memoryview(raw))
     except (msgspec.DecodeError, orjson.JSONDecodeError, RecursionError):  # ValidationError is a DecodeError
         return None
@@ -154,6 +177,14 @@ def decode(body: bytes | str) -> dict[str, Any] | None:
 
 _NAMES = tuple(f.name for f in REQUEST_FIELDS)
 _INT_DEFAULTS = tuple((name, FIELDS[name].default) for name in INTEGER_FIELDS if name != "blocks_held")
+
+
+def _int_default(f: Field) -> int:
+    return 0 if f.default is None else int(f.default)
+
+
+#: each integer field with its definition and its default (0 where it has none)
+_INT_FIELDS = tuple((name, FIELDS[name], _int_default(FIELDS[name])) for name in INTEGER_FIELDS)
 
 
 def _known_pools(pools: list[Any], default_pool: str, capacity: dict[str, int]) -> tuple[list[str], set[str]] | None:
@@ -195,7 +226,7 @@ def table_from_rows(rows: list[Any], default_pool: str, capacity: dict[str, int]
         return None
     pools, names = known
     bounds: list[str | None] = list(columns["output_bound"])
-    if None in bounds:
+    if None in set(bounds):  # the Literal's own strings: hashed once, unlike a comparison with None each
         bounds = ["cap" if b is None else b for b in bounds]
     block_ids: list[list[int] | None] | None = list(columns["block_ids"])
     assert block_ids is not None
@@ -224,6 +255,15 @@ def int64le_array(text: str, n: int) -> np.ndarray | None:
     return np.frombuffer(raw, dtype="<i8").astype(np.int64, copy=False)
 
 
+def _in_range(arr: np.ndarray, f: Field) -> bool:
+    """Every value of the int64 array ``arr`` (not empty) within ``f``'s range; where the
+    least is 0, one reduction over the values read unsigned (a negative one reads above
+    every maximum) instead of two."""
+    if f.minimum == 0:
+        return int(arr.view(np.uint64).max()) <= f.maximum
+    return int(arr.min()) >= f.minimum and int(arr.max()) <= f.maximum
+
+
 def _text(value: Any, n: int, default: Any) -> list[Any] | None:
     """A text column as n values: an array as given, one value repeated, None as ``default``."""
     if isinstance(value, list):
@@ -244,7 +284,7 @@ def _ints(value: Any, n: int, f: Field, default: int | list[int]) -> np.ndarray 
         if len(value.int64le) != 8 * n:
             return None
         arr = np.frombuffer(value.int64le, dtype="<i8").astype(np.int64, copy=False)
-        if n and (int(arr.min()) < f.minimum or int(arr.max()) > f.maximum):
+        if n and not _in_range(arr, f):
             return None
         return arr
     if len(value) != n:
@@ -281,14 +321,13 @@ def table_from_columns(cols: Any, default_pool: str, capacity: dict[str, int]) -
         if n and name not in capacity:
             return None
         pools, names = [name] * n, {name} if n else set()
-    if isinstance(cols.output_bound, list) and None in cols.output_bound:
-        bounds = ["cap" if b is None else b for b in bounds]
+    if isinstance(cols.output_bound, list) and None in set(cols.output_bound):  # a set: the decoded values are
+        bounds = ["cap" if b is None else b for b in bounds]  # the Literal's own strings, their hashes kept
     if block_ids is not None and block_ids.count(None) == n:
         block_ids = None
     arrays: dict[str, np.ndarray] = {}
-    for name in INTEGER_FIELDS:
-        f = FIELDS[name]
-        fallback: int | list[int] = 0 if f.default is None else int(f.default)
+    for name, f, default in _INT_FIELDS:
+        fallback: int | list[int] = default
         if name == "blocks_held" and block_ids is not None:  # blocks_held defaults to len(block_ids)
             fallback = [0 if b is None else len(b) for b in block_ids]
         arr = _ints(getattr(cols, name), n, f, fallback)
@@ -309,10 +348,10 @@ def _within_capacity(
         cap = capacity[next(iter(names))]
     else:
         cap = np.fromiter(map(capacity.__getitem__, pools), dtype=np.int64, count=n)
-    if n and bool((arrays["blocks_held"] > cap).any()):
+    if n and (int(arrays["blocks_held"].max()) > cap if type(cap) is int else bool((arrays["blocks_held"] > cap).any())):
         return None
     if block_ids is not None:
         lengths = np.fromiter((0 if b is None else len(b) for b in block_ids), dtype=np.int64, count=n)
         if bool((lengths > cap).any()):
             return None
-    return RequestTable(ids, states, pools, tenants, bounds, {}, block_ids, arrays, names)
+    return RequestTable.of_columns(ids, states, pools, tenants, bounds, block_ids, arrays, names)

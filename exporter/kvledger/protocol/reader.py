@@ -84,6 +84,7 @@ from kvledger.domain.limits import (
 from kvledger.domain.request_table import RequestTable
 from kvledger.protocol.fast_decoder import (
     TypedColumns,
+    TypedDocument,
     TypedRows,
     int64le_array,
     table_from_columns,
@@ -718,9 +719,107 @@ def _host(raw: object) -> HostFacts:
 
 
 
-def _read(doc: object, engine_name: str, default_kind: str) -> EngineFacts | None:
+class SectionMemo:
+    """The sections of one engine's last document that rarely change (``fast_decoder.MEMO_KEYS``:
+    engine, budgets, counters, memory, host, tenants) as read, each by its JSON text: the
+    next document's section with the same text is not loaded or checked again, its facts
+    are copies of the ones read then (nobody shares them). A section that breaks the
+    protocol is not kept: it is read, and refused, each time. One per engine, used by one
+    read at a time."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[bytes, Any]] = {}
+
+    def read(self, key: str, text: bytes, read: Callable[[object], Any]) -> Any:
+        """``read`` of the section's JSON value, or of the last one with the same ``text``;
+        raises ``_NotJson`` where ``text`` is not JSON."""
+        last = self._last.get(key)
+        if last is not None and last[0] == text:
+            return last[1]
+        result = read(_load_section(text))
+        self._last[key] = (text, result)
+        return result
+
+
+class _NotJson(Exception):
+    """A section's text that is not JSON (the body is then read the checked way, which names it)."""
+
+
+def _load_section(text: bytes) -> object:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        raise _NotJson from None
+
+
+def _engine_section(value: object) -> tuple[str | None, str | None]:
+    """``engine``: its kind and version (each None where not given)."""
+    e = _obj(value, "engine")
+    return _opt(e, "kind", "engine", _str, True) or None, _opt(e, "version", "engine", _str, True)
+
+
+def _budgets(value: object) -> Budgets:
+    b = _obj(value, "budgets")
+    return Budgets(
+        max_num_batched_tokens=_opt(b, "max_num_batched_tokens", "budgets", _int, 0, MAX_TOKENS),
+        iteration_tokens=_opt(b, "iteration_tokens", "budgets", _int, 0, MAX_TOKENS),
+        window_scheduled_tokens=_opt(b, "window_scheduled_tokens", "budgets", _int),
+        window_iterations=_opt(b, "window_iterations", "budgets", _int),
+        max_num_seqs=_opt(b, "max_num_seqs", "budgets", _int, 0, MAX_TOKENS),
+        max_model_len=_opt(b, "max_model_len", "budgets", _int, 1, MAX_TOKENS),
+    )
+
+
+def _counters(value: object) -> dict[str, float]:
+    c = _obj(value, "counters")
+    counters: dict[str, float] = {}
+    for name in COUNTER_NAMES:
+        number = _opt(c, name, "counters", _number)
+        if number is not None:
+            counters[name] = number
+    return counters
+
+
+def _memory(value: object) -> list[MemoryTerm]:
+    memory: list[MemoryTerm] = []
+    for i, raw in enumerate(_arr(value, "memory")):
+        path = f"memory[{i}]"
+        t = _obj(raw, path)
+        memory.append(
+            MemoryTerm(
+                gpu=_req(t, "gpu", path, _int),
+                category=_req(t, "category", path, _enum, BUDGET_CATEGORIES),
+                bytes=_req(t, "bytes", path, _int),
+                source=_req(t, "source", path, _enum, TERM_SOURCES),
+            )
+        )
+    return memory
+
+
+def _copy(facts: Any) -> Any:
+    """A new one of a slots dataclass with the same fields (a kept section handed out again)."""
+    return type(facts)(*map(facts.__getattribute__, facts.__slots__))
+
+
+#: each section's reader, and how its kept facts are handed out again (a new container;
+#: what it holds is frozen)
+_SECTIONS: dict[str, tuple[Callable[[object], Any], Callable[[Any], Any]]] = {
+    "engine": (_engine_section, lambda kept: kept),
+    "budgets": (_budgets, _copy),
+    "counters": (_counters, dict),
+    "memory": (_memory, list),
+    "host": (lambda value: _host(value), _copy),
+    "tenants": (lambda value: _tenants(value), list),
+}
+
+
+def _read(doc: object, engine_name: str, default_kind: str, memo: SectionMemo | None = None) -> EngineFacts | None:
     """The facts of a document, checked in order: schema, pools, requests, the rest. None
-    where requests the typed decoder made break a rule across requests (see ``_requests``)."""
+    where requests the typed decoder made break a rule across requests (see ``_requests``),
+    or where a section the typed decoder kept as text is not JSON. A ``TypedDocument``'s
+    sections kept as text are read through ``memo`` when given."""
     d = _obj(doc, "")
     if "schema" not in d:
         raise ProtocolError("schema", "is required")
@@ -753,49 +852,34 @@ def _read(doc: object, engine_name: str, default_kind: str) -> EngineFacts | Non
     if requests is None:
         return None
 
-    kind, version = default_kind, None
-    if (engine := d.get("engine")) is not None:
-        e = _obj(engine, "engine")
-        kind = _opt(e, "kind", "engine", _str, True) or default_kind
-        version = _opt(e, "version", "engine", _str, True)
+    texts = doc.raws if isinstance(doc, TypedDocument) else None
 
-    budgets = Budgets()
-    if (b := d.get("budgets")) is not None:
-        b = _obj(b, "budgets")
-        budgets = Budgets(
-            max_num_batched_tokens=_opt(b, "max_num_batched_tokens", "budgets", _int, 0, MAX_TOKENS),
-            iteration_tokens=_opt(b, "iteration_tokens", "budgets", _int, 0, MAX_TOKENS),
-            window_scheduled_tokens=_opt(b, "window_scheduled_tokens", "budgets", _int),
-            window_iterations=_opt(b, "window_iterations", "budgets", _int),
-            max_num_seqs=_opt(b, "max_num_seqs", "budgets", _int, 0, MAX_TOKENS),
-            max_model_len=_opt(b, "max_model_len", "budgets", _int, 1, MAX_TOKENS),
-        )
+    def section(key: str) -> Any:
+        """The section's facts, None where the document has none."""
+        read, again = _SECTIONS[key]
+        if texts is None:
+            value = d.get(key)
+            return None if value is None else read(value)
+        text = texts.get(key)
+        if text is None:
+            return None
+        if memo is None:
+            value = _load_section(text)
+            return None if value is None else read(value)
+        kept = memo.read(key, text, lambda value: None if value is None else read(value))
+        return None if kept is None else again(kept)
 
-    counters: dict[str, float] = {}
-    if (c := d.get("counters")) is not None:
-        c = _obj(c, "counters")
-        for name in COUNTER_NAMES:
-            value = _opt(c, name, "counters", _number)
-            if value is not None:
-                counters[name] = value
-
-    memory: list[MemoryTerm] = []
-    if (m := d.get("memory")) is not None:
-        for i, raw in enumerate(_arr(m, "memory")):
-            path = f"memory[{i}]"
-            t = _obj(raw, path)
-            memory.append(
-                MemoryTerm(
-                    gpu=_req(t, "gpu", path, _int),
-                    category=_req(t, "category", path, _enum, BUDGET_CATEGORIES),
-                    bytes=_req(t, "bytes", path, _int),
-                    source=_req(t, "source", path, _enum, TERM_SOURCES),
-                )
-            )
-
-    tenants = _tenants(d["tenants"]) if d.get("tenants") is not None else []
-
-    host = _host(d["host"]) if d.get("host") is not None else HostFacts()
+    try:
+        engine = section("engine")
+        budgets = section("budgets") or Budgets()
+        counters = section("counters") or {}
+        memory = section("memory") or []
+        tenants = section("tenants") or []
+        host = section("host") or HostFacts()
+    except _NotJson:
+        return None
+    kind, version = (None, None) if engine is None else engine
+    kind = kind or default_kind
 
     return EngineFacts(
         name=engine_name,
@@ -835,18 +919,31 @@ class NotJsonError(ProtocolError):
         super().__init__("", f"invalid JSON at line {line}, column {column}: {reason}")
 
 
-def typed_facts(data: bytes | str, engine_name: str, *, default_kind: str = "ledger") -> EngineFacts | None:
+def typed_facts(data: bytes | str, engine_name: str, *, default_kind: str = "ledger",
+                memo: SectionMemo | None = None) -> EngineFacts | None:
     """The body read by type alone (``fast_decoder.decode``: the requests checked in C while
     msgspec parses them); None where that does not take it as is (``facts_from_json`` then
     reads it otherwise). Raises ProtocolError as ``facts_from_document`` does for the rest
-    of the document, which is read the same way on either path."""
+    of the document, which is read the same way on either path. ``memo``: the engine's
+    ``SectionMemo``, for sections unchanged since its last document."""
     doc = decode_typed(data)
     if doc is None or ("requests" not in doc and "request_columns" not in doc):
         return None
-    return _read(doc, engine_name, default_kind)
+    try:
+        return _read(doc, engine_name, default_kind, memo)
+    except ProtocolError:
+        # a body that is not JSON is refused as such, whatever else it breaks: the sections
+        # kept as text and not loaded before the error are checked now (the checked way then names it)
+        for text in doc.raws.values():
+            try:
+                orjson.loads(text)
+            except orjson.JSONDecodeError:
+                return None
+        raise
 
 
-def facts_from_json(data: bytes | str, engine_name: str, *, default_kind: str = "ledger") -> EngineFacts:
+def facts_from_json(data: bytes | str, engine_name: str, *, default_kind: str = "ledger",
+                    memo: SectionMemo | None = None) -> EngineFacts:
     """Decode a kvledger/v1 body and convert it; a body that is not JSON raises
     ``NotJsonError`` (a ProtocolError at ``<document>``).
 
@@ -855,9 +952,11 @@ def facts_from_json(data: bytes | str, engine_name: str, *, default_kind: str = 
     (NaN, Infinity, numbers that overflow a double such as ``1e999``, invalid UTF-8) and
     nesting deeper than 1024 levels, then converted field by field, naming the path of the
     first problem (``facts_from_document``). Both give the same facts for every document
-    the typed way takes (tests/test_document_decoder.py).
+    the typed way takes (tests/test_document_decoder.py). ``memo``: the engine's
+    ``SectionMemo`` (a reader polling one engine keeps one), for the sections unchanged
+    since its last document.
     """
-    facts = typed_facts(data, engine_name, default_kind=default_kind)
+    facts = typed_facts(data, engine_name, default_kind=default_kind, memo=memo)
     if facts is not None:
         return facts
     try:

@@ -32,16 +32,17 @@ from kvledger.config.types import EngineConfig
 from kvledger.domain.facts import EngineFacts
 from kvledger.domain.limits import MAX_DOCUMENT_AGE
 from kvledger.domain.request_table import RequestTable
-from kvledger.protocol.reader import COLUMNS_MEDIA_TYPE, NotJsonError, ProtocolError, facts_from_json
+from kvledger.protocol.reader import COLUMNS_MEDIA_TYPE, NotJsonError, ProtocolError, SectionMemo, facts_from_json
 
 #: what a ledger GET accepts: the columnar form first, the row form (plain v1) as well
 ACCEPT = f"{COLUMNS_MEDIA_TYPE}, application/json;q=0.9"
 
 
-def parse_document(body: bytes, where: str, engine: str) -> EngineFacts:
-    """The facts of a kvledger/v1 document body; SourceError ``parse`` or ``schema`` naming ``where``."""
+def parse_document(body: bytes, where: str, engine: str, memo: SectionMemo | None = None) -> EngineFacts:
+    """The facts of a kvledger/v1 document body; SourceError ``parse`` or ``schema`` naming
+    ``where``. ``memo``: the engine's sections as last read (``protocol.reader.SectionMemo``)."""
     try:
-        return facts_from_json(body, engine)
+        return facts_from_json(body, engine, memo=memo)
     except NotJsonError as exc:  # also invalid UTF-8
         raise SourceError("parse", f"{where}: document is not JSON (line {exc.line}, column {exc.column}: {exc.reason})") from None
     except ProtocolError as exc:
@@ -116,6 +117,7 @@ class FactsReader:
         self.columnar = 0  # documents read in the columnar form
         self.age: float | None = None  # the latest document's age (its published_at; None without one)
         self.max_age = MAX_DOCUMENT_AGE
+        self.sections = SectionMemo()  # the sections of the last document that rarely change, as read
 
     def read(self) -> EngineFacts:
         """The facts of the document now; SourceError ``stale`` when it shows running requests
@@ -148,7 +150,7 @@ class FactsReader:
         self._last = None
         try:
             with PARSE_LOCK:
-                facts = parse_document(body, self.client.where, self.engine)
+                facts = parse_document(body, self.client.where, self.engine, self.sections)
         finally:
             if len(body) >= LARGE_BODY:
                 del body
