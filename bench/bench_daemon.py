@@ -11,13 +11,13 @@ seconds of them, cycled) so the bench's own work stays out of the figures.
 Phases, each ``--seconds`` long; in each, the floor and the daemon run side by side and are
 measured over the same seconds (this machine's speed drifts by tens of percent over minutes):
 - ``floor (rows)``: a process that only fetches each engine's row-form document with the
-  daemon's HTTP client and decodes it with orjson, every second: the cost of reading the inputs;
+  daemon's HTTP client and decodes it with orjson, every second, keeping each engine's latest
+  document until the next replaces it: the cost of reading the inputs and holding the
+  latest state, as anything serving it must; ``floor dropping each document``, beside it,
+  the same dropping each document once decoded (the floor measured before: both ratios are printed);
   ``daemon (rows)``: ``kvledger serve`` against plain v1 servers (row form only);
 - ``floor (columns)`` and ``daemon (columns)``: the same with servers that offer the columnar
-  form (the daemon asks for it; the floor fetches it the same way and decodes its machine
-  integers too, base64 to int64, as they are the document's values); ``floor, its JSON
-  alone (columns)``: the columnar floor as measured before issue 31's last stop, the integer
-  columns left as base64 text (both ratios are printed);
+  form (the daemon asks for it; the floor fetches it the same way);
 - ``daemon (idle)``: the same servers with documents that do not change (conditional reads: 304);
 - ``its reading alone``, beside each floor: the daemon's sources polled the floor's way (one
   thread, every second), each poll what a poll thread of the daemon runs: fetch, typed
@@ -51,27 +51,25 @@ from kvledger_engine.document_server import LedgerServer
 ROOT = Path(__file__).resolve().parents[1]
 TICKS = 60
 
-#: the floor: fetch each engine's document with the daemon's HTTP client and decode it, every
-#: second; with ``numbers`` (argv[1]), a columnar document's machine integers are decoded too
-#: (base64 to int64: the values the document carries, as a reader holds them), without,
-#: its JSON alone (the integer columns stay base64 text)
+#: the floor: each engine's document fetched with the daemon's HTTP client and decoded with
+#: orjson, every second. ``hold`` (argv[1]): each engine's latest document is kept until the
+#: next one replaces it, as anything that serves the latest state must (the daemon keeps
+#: its facts for the next scrape; freeing a document a second later costs more than at
+#: once, its memory no longer in the caches); ``drop``: each is dropped once decoded (the
+#: floor of the stops before the last of issue 31)
 FLOOR = textwrap.dedent("""
-    import binascii, sys, time, orjson, numpy
+    import sys, time, orjson
     from kvledger.collect.sources.http_client import HttpClient
-    numbers, accept = sys.argv[1] == "numbers", sys.argv[2]
+    hold, accept = sys.argv[1] == "hold", sys.argv[2]
     clients = [HttpClient(u, timeout=5.0, max_bytes=64 << 20, accept=accept) for u in sys.argv[3:]]
-    def read(body):
-        doc = orjson.loads(body)
-        columns = doc.get("request_columns") if numbers else None
-        if columns:
-            for key, value in columns.items():
-                if type(value) is dict and "int64le" in value:
-                    columns[key] = numpy.frombuffer(binascii.a2b_base64(value["int64le"]), dtype="<i8")
-        return doc
+    latest = [None] * len(clients)
     next_at = time.monotonic()
     while True:
-        for c in clients:
-            read(c.get())
+        for i, c in enumerate(clients):
+            doc = orjson.loads(c.get())
+            if hold:
+                latest[i] = doc
+            del doc
         next_at += 1.0
         time.sleep(max(0.0, next_at - time.monotonic()))
 """)
@@ -214,9 +212,8 @@ def main() -> None:
             accept = "application/json" if mode == "rows" else "application/vnd.kvledger.v1.columns+json"
             port = 19_000 + os.getpid() % 1000
             urls = [s.url for s in engines.servers]
-            floor = subprocess.Popen([sys.executable, "-c", FLOOR, "numbers", accept, *urls], env=env)
-            # the columnar form's floor as measured before: its JSON alone
-            json_floor = subprocess.Popen([sys.executable, "-c", FLOOR, "json", accept, *urls], env=env) if mode == "columns" else None
+            floor = subprocess.Popen([sys.executable, "-c", FLOOR, "hold", accept, *urls], env=env)
+            dropping = subprocess.Popen([sys.executable, "-c", FLOOR, "drop", accept, *urls], env=env)
             reader = subprocess.Popen([sys.executable, "-c", READER, str(cfg)], env=env)
             daemon = subprocess.Popen([sys.executable, "-m", "kvledger.cli", "serve", "--config", str(cfg), "--listen",
                                        f"127.0.0.1:{port}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -228,42 +225,37 @@ def main() -> None:
                 # side by side: the floor and the daemon over the same seconds, so the
                 # machine's drift touches both alike
                 scraper.seconds.clear()
-                pids = {"floor": floor.pid, "reader": reader.pid, "daemon": daemon.pid}
-                if json_floor is not None:
-                    pids["json floor"] = json_floor.pid
-                three = measure(pids, args.seconds)
+                three = measure({"floor": floor.pid, "dropping": dropping.pid, "reader": reader.pid, "daemon": daemon.pid},
+                                args.seconds)
                 scrapes[mode] = list(scraper.seconds)
                 results[f"floor ({mode})"] = three["floor"]
-                if json_floor is not None:
-                    results[f"floor, its JSON alone ({mode})"] = three["json floor"]
+                results[f"floor dropping each document ({mode})"] = three["dropping"]
                 results[f"its reading alone ({mode})"] = three["reader"]
                 results[f"daemon ({mode})"] = three["daemon"]
                 if mode == "columns":
                     floor.terminate()
+                    dropping.terminate()
                     reader.terminate()
-                    if json_floor is not None:
-                        json_floor.terminate()
                     engines.mode = "idle"
                     time.sleep(3)
                     results["daemon (idle)"] = measure({"daemon": daemon.pid}, args.seconds)["daemon"]
             finally:
                 if scraper is not None:
                     scraper.stop.set()
-                for p in (floor, reader, daemon, json_floor):
-                    if p is not None:
-                        p.terminate()
-                        p.wait(10)
+                for p in (floor, dropping, reader, daemon):
+                    p.terminate()
+                    p.wait(10)
     finally:
         engines.stop()
-    print("| phase | CPU (% of a core) | RSS peak (MB) | vs its floor | vs its JSON alone |")
+    print("| phase | CPU (% of a core) | RSS peak (MB) | vs its floor | vs the floor dropping each document |")
     print("|---|---|---|---|---|")
     for name, (cpu, rss) in results.items():
         form = "rows" if "rows" in name else "columns"
         floor = results.get(f"floor ({form})")
-        json_floor = results.get(f"floor, its JSON alone ({form})")
+        dropping = results.get(f"floor dropping each document ({form})")
         ratio = "" if name.startswith("floor") or floor is None else f"{cpu / floor[0]:.2f}x"
-        json_ratio = "" if name.startswith("floor") or json_floor is None else f"{cpu / json_floor[0]:.2f}x"
-        print(f"| {name} | {cpu:.2f} % ({cpu / 2:.2f} of the 2 % budget) | {rss if rss else float('nan'):.0f} | {ratio} | {json_ratio} |")
+        dropped = "" if name.startswith("floor (") or dropping is None or name.startswith("floor dropping") else f"{cpu / dropping[0]:.2f}x"
+        print(f"| {name} | {cpu:.2f} % ({cpu / 2:.2f} of the 2 % budget) | {rss if rss else float('nan'):.0f} | {ratio} | {dropped} |")
     for mode, seconds in scrapes.items():
         if seconds:
             shown = ", ".join(f"{1000 * x:.1f}" for x in seconds)
