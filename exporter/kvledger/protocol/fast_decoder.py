@@ -26,9 +26,7 @@ differ only in the requests, which the property tests compare
 from __future__ import annotations
 
 import binascii
-from array import array
 from itertools import repeat
-from operator import itemgetter
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -206,14 +204,10 @@ def _int_array(values: Any, n: int, default: Any) -> np.ndarray:
     first = values[0] if n else None
     if n and values[-1] is first and values.count(first) == n:  # one value for all (contexts 1, ...): counted in C
         return np.full(n, default if first is None else first, dtype=np.int64)
-    try:  # through a machine array: a third cheaper than numpy's conversion of each int (decoded in range)
-        return np.frombuffer(array("q", values), dtype=np.int64)
+    try:
+        return np.fromiter(values, dtype=np.int64, count=n)
     except TypeError:
         return np.array([default if v is None else v for v in values], dtype=np.int64)
-
-
-#: one getter per field of a row's tuple (``astuple``), in ``_NAMES``' order
-_FIELD_GETTERS = tuple(itemgetter(i) for i in range(len(_NAMES)))
 
 
 def table_from_rows(rows: list[Any], default_pool: str, capacity: dict[str, int]) -> RequestTable | None:
@@ -222,21 +216,19 @@ def table_from_rows(rows: list[Any], default_pool: str, capacity: dict[str, int]
     n = len(rows)
     if n == 0:
         return RequestTable([], [], [], [], [], {key: [] for key, _ in INT_COLUMNS})
-    # one C call per row, then each field's list taken from the tuples in C (cheaper than zip(*tuples))
-    tuples = list(map(astuple, rows))
-    columns: dict[str, Any] = {name: list(map(get, tuples)) for name, get in zip(_NAMES, _FIELD_GETTERS, strict=True)}
-    del tuples
-    ids: list[str] = columns["id"]
+    # one C call per row, then a C transposition into one tuple per field
+    columns: dict[str, Any] = dict(zip(_NAMES, zip(*map(astuple, rows), strict=True), strict=True))
+    ids: list[str] = list(columns["id"])
     if len(set(ids)) != n:
         return None
-    known = _known_pools(columns["pool"], default_pool, capacity)
+    known = _known_pools(list(columns["pool"]), default_pool, capacity)
     if known is None:
         return None
     pools, names = known
-    bounds: list[str | None] = columns["output_bound"]
+    bounds: list[str | None] = list(columns["output_bound"])
     if None in set(bounds):  # the Literal's own strings: hashed once, unlike a comparison with None each
         bounds = ["cap" if b is None else b for b in bounds]
-    block_ids: list[list[int] | None] | None = columns["block_ids"]
+    block_ids: list[list[int] | None] | None = list(columns["block_ids"])
     assert block_ids is not None
     if block_ids.count(None) == n:
         block_ids = None
@@ -248,7 +240,7 @@ def table_from_rows(rows: list[Any], default_pool: str, capacity: dict[str, int]
             [(0 if b is None else len(b)) if h == HELD_ABSENT else h for h, b in zip(held.tolist(), listed, strict=False)],
             dtype=np.int64,
         )
-    return _within_capacity(ids, columns["state"], pools, columns["tenant"], bounds, block_ids, arrays, names, capacity)
+    return _within_capacity(ids, list(columns["state"]), pools, list(columns["tenant"]), bounds, block_ids, arrays, names, capacity)
 
 
 def int64le_array(text: str, n: int) -> np.ndarray | None:
